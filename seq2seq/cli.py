@@ -1,0 +1,243 @@
+"""The `seq2seq` command: download, train, translate, evaluate, average.
+
+Each subcommand parses its arguments and calls one library function. Known
+problems (bad config, bad data, unusable checkpoint) end with one line on
+stderr: exit code 2 for configuration errors, 1 for the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
+
+from seq2seq.config import ConfigError, UserError, apply_overrides, load_config
+from seq2seq.data import DataError, read_lines
+
+if TYPE_CHECKING:
+    from seq2seq.config import ExperimentConfig
+    from seq2seq.translate import Translation, Translator
+
+log = logging.getLogger("seq2seq")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _setup_logging(args.verbose)
+    try:
+        return args.run(args)
+    except ConfigError as e:
+        print(f"seq2seq: config error: {e}", file=sys.stderr)
+        return 2
+    except UserError as e:
+        print(f"seq2seq: error: {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # e.g. `seq2seq translate ... | head`
+        return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="seq2seq", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("download", help="fetch Multi30k task 1 (or copy it from a local mirror)")
+    p.add_argument("--langs", default="de,en", help="comma-separated languages (default: de,en)")
+    p.add_argument("--dest", default="data/multi30k", help="target directory (default: data/multi30k)")
+    p.add_argument("--mirror", help="local directory with the raw files (or set SEQ2SEQ_DATA_MIRROR)")
+    p.set_defaults(run=_download)
+
+    p = sub.add_parser("train", help="train (or resume) the experiment a config describes")
+    p.add_argument("--config", required=True, help="YAML experiment file")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
+    p.set_defaults(run=_train)
+
+    p = sub.add_parser("translate", help="translate a file or stdin with a checkpoint")
+    _add_model_args(p)
+    p.add_argument("--input", "-i", help="input file (default: stdin)")
+    p.add_argument("--output", "-o", help="output file (default: stdout)")
+    p.add_argument("--format", choices=["text", "jsonl"], default="text",
+                   help="text: one translation per line; jsonl: n-best, scores, token log-probabilities")
+    p.add_argument("--interactive", action="store_true",
+                   help="translate each stdin line as it arrives (the default when stdin is a terminal)")
+    p.set_defaults(run=_translate)
+
+    p = sub.add_parser("evaluate", help="score a checkpoint or a hypothesis file with sacreBLEU")
+    _add_model_args(p, required=False)
+    p.add_argument("--hypotheses", help="score this file of translations instead of decoding")
+    p.add_argument("--src", help="source file (default: the config's test split)")
+    p.add_argument("--ref", help="reference file (default: the config's test split)")
+    p.add_argument("--lowercase", action="store_true", help="also report lower-cased BLEU")
+    p.add_argument("--tok-ref", help="tokenized lower-cased reference (Multi30k lc.norm.tok) for tokenized BLEU")
+    p.add_argument("--save", help="write the translations here")
+    p.set_defaults(run=_evaluate)
+
+    p = sub.add_parser("average", help="average the weights of checkpoints")
+    p.add_argument("checkpoints", nargs="*", help="checkpoints to average")
+    p.add_argument("--run-dir", help="average the last --last step checkpoints of this run")
+    p.add_argument("--last", type=int, default=5, help="how many step checkpoints (default: 5)")
+    p.add_argument("--output", "-o", required=True, help="averaged checkpoint to write")
+    p.set_defaults(run=_average)
+    return parser
+
+
+def _add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
+    p.add_argument("--checkpoint", "-c", required=required, help="checkpoint file (e.g. RUN/checkpoint_best.pt)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("overrides", nargs="*", metavar="decode.key=value", help="decoding overrides")
+
+
+def _setup_logging(verbose: bool) -> None:
+    handler = _TqdmHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s" if verbose else "%(message)s"))
+    handler.setLevel(logging.DEBUG if verbose else logging.INFO)
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+
+
+class _TqdmHandler(logging.Handler):
+    """Log lines that do not break progress bars."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        tqdm.write(self.format(record), file=sys.stderr)
+
+
+# Subcommands.
+
+
+def _download(args: argparse.Namespace) -> int:
+    from seq2seq.download import download_multi30k
+
+    paths = download_multi30k(args.dest, tuple(args.langs.split(",")), args.mirror)
+    log.info("%d files ready in %s", len(paths), args.dest)
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    from seq2seq.training.trainer import train
+
+    train(cfg)
+    return 0
+
+
+def _translator(args: argparse.Namespace) -> Translator:
+    from seq2seq.training.trainer import resolve_device
+    from seq2seq.translate import Translator
+
+    bad = [o for o in args.overrides if not o.startswith("decode.")]
+    if bad:
+        raise ConfigError(f"command line: {bad[0]!r}: only decode.* settings can change at translation time")
+    translator = Translator.from_checkpoint(args.checkpoint, resolve_device(args.device))
+    assert translator.config is not None
+    translator.config = apply_overrides(translator.config, args.overrides)
+    translator.decode = translator.config.decode
+    return translator
+
+
+def _translate(args: argparse.Namespace) -> int:
+    translator = _translator(args)
+    source = open(args.input, encoding="utf-8") if args.input else sys.stdin
+    sink = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+    interactive = args.interactive or (not args.input and sys.stdin.isatty())
+    try:
+        for chunk in _chunks(source, 1 if interactive else 2000):
+            for result in translator.translate_full(chunk):
+                sink.write(_format(result, args.format) + "\n")
+            sink.flush()
+    except UnicodeDecodeError:
+        raise DataError(f"{args.input or 'stdin'}: invalid UTF-8 input") from None
+    finally:
+        if args.input:
+            source.close()
+        if args.output:
+            sink.close()
+    return 0
+
+
+def _chunks(stream: TextIO, size: int) -> Iterator[list[str]]:
+    """Lines in groups of `size`, yielded as soon as each group is complete."""
+    chunk: list[str] = []
+    for line in iter(stream.readline, ""):
+        chunk.append(line.rstrip("\r\n"))
+        if len(chunk) >= size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _format(result: Translation, fmt: str) -> str:
+    if fmt == "text":
+        return result.text
+    return json.dumps(
+        {
+            "source": result.source,
+            "translation": result.text,
+            "score": result.hypotheses[0].score if result.hypotheses else None,
+            "nbest": [
+                {"translation": text, "score": h.score, "tokens": h.tokens, "token_logprobs": h.token_scores}
+                for text, h in zip(result.texts, result.hypotheses)
+            ],
+        },
+        ensure_ascii=False,
+    )
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    from seq2seq import metrics
+
+    if not args.checkpoint and not args.hypotheses:
+        raise ConfigError("evaluate needs --checkpoint or --hypotheses")
+    if args.hypotheses:
+        if not args.ref:
+            raise ConfigError("evaluate --hypotheses needs --ref")
+        hyps, refs = read_lines(args.hypotheses), read_lines(args.ref)
+    else:
+        translator = _translator(args)
+        src, refs = _test_set(translator.config, args.src, args.ref)
+        hyps = translator.translate(src)
+    if len(hyps) != len(refs):
+        raise DataError(f"{len(hyps)} hypotheses but {len(refs)} references")
+    if args.save:
+        Path(args.save).write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
+    scores = [metrics.bleu(hyps, refs), metrics.chrf(hyps, refs), metrics.ter(hyps, refs)]
+    if args.lowercase:
+        scores.append(metrics.bleu(hyps, refs, lowercase=True))
+    if args.tok_ref:
+        lang = translator.config.data.tgt_lang if args.checkpoint else Path(args.tok_ref).suffix.lstrip(".")
+        scores.append(metrics.tokenized_bleu(hyps, read_lines(args.tok_ref), lang))
+    for score in scores:
+        print(score)
+    return 0
+
+
+def _test_set(cfg: ExperimentConfig, src: str | None, ref: str | None) -> tuple[list[str], list[str]]:
+    from seq2seq.data import find_file
+
+    d = cfg.data
+    src_path = src or find_file(d.dir, d.test, d.src_lang)
+    ref_path = ref or find_file(d.dir, d.test, d.tgt_lang)
+    return read_lines(src_path), read_lines(ref_path)
+
+
+def _average(args: argparse.Namespace) -> int:
+    from seq2seq.checkpoint import average_checkpoints
+    from seq2seq.training.trainer import step_checkpoints
+
+    paths = [Path(p) for p in args.checkpoints]
+    if args.run_dir:
+        paths += step_checkpoints(args.run_dir)[-args.last :]
+    if not paths:
+        raise UserError("nothing to average: give checkpoints or --run-dir")
+    average_checkpoints(paths, args.output)
+    log.info("averaged %d checkpoints into %s", len(paths), args.output)
+    return 0

@@ -1,0 +1,350 @@
+"""Experiment configuration: nested dataclasses, YAML files and dotted overrides.
+
+The dataclasses below are the only source of defaults. A YAML file overrides
+them, and `section.key=value` arguments override the YAML. Everything is
+checked here, before any tensor exists: unknown keys (with the closest valid
+name), wrong types, invalid choices and inconsistent values all raise
+`ConfigError` with one line that names the key and where it came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class UserError(ValueError):
+    """A problem with the user's input (config, data, checkpoint...), told in one line, not a traceback."""
+
+
+class ConfigError(UserError):
+    """A configuration problem, described in one line for the user."""
+
+
+@dataclass
+class DataConfig:
+    """Where the parallel text lives and how it is tokenized.
+
+    Files are `{dir}/{split}.{lang}`, plain or gzipped (`.gz` is tried too).
+    """
+
+    dir: str = "data/multi30k"
+    src_lang: str = "de"
+    tgt_lang: str = "en"
+    train: str = "train"
+    valid: str = "val"
+    test: str = "test_2016_flickr"
+    vocab_size: int = 8000
+    shared_vocab: bool = True
+    spm_model_type: Literal["unigram", "bpe"] = "unigram"
+    max_len: int = 128  # training pairs with more subwords on either side are dropped
+
+    def __post_init__(self) -> None:
+        _require(self.vocab_size >= 8, "data.vocab_size", "must be at least 8")
+        _require(self.max_len >= 1, "data.max_len", "must be positive")
+        _require(self.src_lang != self.tgt_lang, "data.tgt_lang", "must differ from data.src_lang")
+
+
+@dataclass
+class ModelConfig:
+    """Shape of the Transformer (Vaswani et al., 2017)."""
+
+    d_model: int = 256
+    n_heads: int = 4
+    d_ff: int = 1024
+    encoder_layers: int = 3
+    decoder_layers: int = 3
+    dropout: float = 0.1
+    attention_dropout: float = 0.0
+    activation: Literal["relu", "gelu"] = "relu"
+    norm: Literal["post", "pre"] = "pre"
+    positions: Literal["sinusoidal", "learned"] = "sinusoidal"
+    max_positions: int = 512
+    share_decoder_embeddings: bool = True  # output projection = decoder input embedding
+    share_all_embeddings: bool = True  # encoder embedding too; needs data.shared_vocab
+
+    def __post_init__(self) -> None:
+        _require(self.d_model > 0, "model.d_model", "must be positive")
+        _require(self.n_heads > 0, "model.n_heads", "must be positive")
+        _require(
+            self.d_model % self.n_heads == 0,
+            "model.d_model",
+            f"({self.d_model}) must be divisible by model.n_heads ({self.n_heads})",
+        )
+        _require(self.d_ff > 0, "model.d_ff", "must be positive")
+        _require(self.encoder_layers >= 1, "model.encoder_layers", "must be at least 1")
+        _require(self.decoder_layers >= 1, "model.decoder_layers", "must be at least 1")
+        _require(0.0 <= self.dropout < 1.0, "model.dropout", "must be in [0, 1)")
+        _require(0.0 <= self.attention_dropout < 1.0, "model.attention_dropout", "must be in [0, 1)")
+        _require(self.max_positions >= 8, "model.max_positions", "must be at least 8")
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation, checkpointing and validation."""
+
+    run_dir: str = "runs/default"
+    seed: int = 1
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    threads: int = 0  # CPU threads for torch; 0 keeps torch's default
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "fp32"
+    max_tokens: int = 4096  # token budget of one batch (padded, the larger side)
+    update_freq: int = 1  # batches accumulated into one optimizer step
+    max_epochs: int = 20
+    max_steps: int = 0  # 0: no limit
+    max_minutes: float = 0.0  # wall-clock budget of this run; 0: no limit
+    optimizer: Literal["adam", "adamw"] = "adam"
+    lr: float = 7e-4
+    betas: tuple[float, float] = (0.9, 0.98)
+    eps: float = 1e-9
+    weight_decay: float = 0.0
+    schedule: Literal["inverse_sqrt", "noam", "cosine", "constant"] = "inverse_sqrt"
+    warmup_steps: int = 1000
+    label_smoothing: float = 0.1
+    clip_norm: float = 1.0  # 0: no clipping
+    valid_every: int = 0  # steps between validations; 0: once per epoch
+    valid_bleu: bool = True  # decode the validation set for BLEU at each validation
+    best_metric: Literal["bleu", "loss"] = "bleu"
+    patience: int = 0  # validations without improvement before stopping; 0: never stop
+    keep_last: int = 5  # epoch/step checkpoints kept besides checkpoint_last and _best
+    average_last: int = 0  # average this many last checkpoints at the end of training; 0: off
+    log_every: int = 50
+    max_bad_steps: int = 20  # consecutive non-finite losses before giving up
+    deterministic: bool = False
+
+    def __post_init__(self) -> None:
+        _require(self.max_tokens >= 16, "train.max_tokens", "must be at least 16")
+        _require(self.update_freq >= 1, "train.update_freq", "must be at least 1")
+        _require(self.max_epochs >= 1, "train.max_epochs", "must be at least 1")
+        _require(self.max_steps >= 0, "train.max_steps", "must be >= 0")
+        _require(self.max_minutes >= 0, "train.max_minutes", "must be >= 0")
+        _require(self.lr > 0, "train.lr", "must be positive")
+        _require(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
+        _require(
+            self.schedule != "noam" or self.warmup_steps > 0,
+            "train.warmup_steps",
+            "must be positive for the noam schedule",
+        )
+        _require(0.0 <= self.label_smoothing < 1.0, "train.label_smoothing", "must be in [0, 1)")
+        _require(self.clip_norm >= 0, "train.clip_norm", "must be >= 0")
+        _require(self.valid_every >= 0, "train.valid_every", "must be >= 0")
+        _require(self.patience >= 0, "train.patience", "must be >= 0")
+        _require(self.keep_last >= 0, "train.keep_last", "must be >= 0")
+        _require(self.average_last >= 0, "train.average_last", "must be >= 0")
+        _require(self.log_every >= 1, "train.log_every", "must be at least 1")
+        _require(self.threads >= 0, "train.threads", "must be >= 0")
+        _require(self.max_bad_steps >= 1, "train.max_bad_steps", "must be at least 1")
+
+
+@dataclass
+class DecodeConfig:
+    """Search settings for `translate`, `evaluate` and validation BLEU."""
+
+    strategy: Literal["beam", "greedy", "sample"] = "beam"
+    beam_size: int = 5
+    length_penalty: float = 1.0  # GNMT alpha: score / ((5 + len) / 6) ** alpha
+    max_len_a: float = 1.5  # max output length = a * source length + b ...
+    max_len_b: int = 10
+    max_len: int = 256  # ... capped at this
+    min_len: int = 1
+    nbest: int = 1
+    no_repeat_ngram: int = 0  # 0: off
+    suppress_unk: bool = False
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+    seed: int = 1
+    max_tokens: int = 6000  # source tokens per decoding batch
+    max_input_len: int = 0  # longer inputs are truncated with a warning; 0: model.max_positions
+    valid_strategy: Literal["beam", "greedy"] = "greedy"  # used for validation BLEU
+
+    def __post_init__(self) -> None:
+        _require(self.beam_size >= 1, "decode.beam_size", "must be at least 1")
+        _require(self.max_len >= 1, "decode.max_len", "must be at least 1")
+        _require(self.max_len_a >= 0, "decode.max_len_a", "must be >= 0")
+        _require(self.min_len >= 0, "decode.min_len", "must be >= 0")
+        _require(self.min_len <= self.max_len, "decode.min_len", "must not exceed decode.max_len")
+        _require(self.nbest >= 1, "decode.nbest", "must be at least 1")
+        _require(
+            self.strategy != "beam" or self.nbest <= self.beam_size,
+            "decode.nbest",
+            f"({self.nbest}) must not exceed decode.beam_size ({self.beam_size})",
+        )
+        _require(self.no_repeat_ngram >= 0, "decode.no_repeat_ngram", "must be >= 0")
+        _require(self.temperature > 0, "decode.temperature", "must be positive")
+        _require(self.top_k >= 0, "decode.top_k", "must be >= 0")
+        _require(0.0 < self.top_p <= 1.0, "decode.top_p", "must be in (0, 1]")
+        _require(self.max_tokens >= 1, "decode.max_tokens", "must be positive")
+        _require(self.max_input_len >= 0, "decode.max_input_len", "must be >= 0")
+
+
+@dataclass
+class ExperimentConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+
+    def __post_init__(self) -> None:
+        _require(
+            not self.model.share_all_embeddings or self.data.shared_vocab,
+            "model.share_all_embeddings",
+            "needs data.shared_vocab: true (one vocabulary for both languages)",
+        )
+        _require(
+            self.data.max_len < self.model.max_positions,
+            "data.max_len",
+            f"({self.data.max_len}) must be below model.max_positions ({self.model.max_positions})",
+        )
+        _require(
+            self.decode.max_len < self.model.max_positions,
+            "decode.max_len",
+            f"({self.decode.max_len}) must be below model.max_positions ({self.model.max_positions})",
+        )
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key} {message}")
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """A plain nested dict (tuples become lists), as written to YAML and checkpoints."""
+    return yaml.safe_load(yaml.safe_dump(_plain(dataclasses.asdict(cfg))))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def from_dict(raw: dict[str, Any], source: str = "<dict>") -> ExperimentConfig:
+    """Build and validate a config from a nested dict (e.g. one stored in a checkpoint)."""
+    return _build(ExperimentConfig, raw, source, prefix="")
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
+    """Read a YAML file (or start from the defaults) and apply `a.b=value` overrides."""
+    raw: dict[str, Any] = {}
+    source = "<defaults>"
+    if path is not None:
+        source = str(path)
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: config file not found") from None
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read config file ({e.strerror})") from None
+        try:
+            raw = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark is not None else ""
+            raise ConfigError(f"{path}: invalid YAML{where}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: a config file must be a mapping of sections")
+    for item in overrides:
+        _apply_override(raw, item)
+    where = source if not overrides else f"{source} + command line"
+    return _build(ExperimentConfig, raw, where, prefix="")
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"command line: override {item!r} must look like section.key=value")
+    parts = key.split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"command line: {key}: {part!r} is not a section")
+        node = child
+    try:
+        node[parts[-1]] = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        node[parts[-1]] = text
+
+
+def _build(cls: type, raw: Any, source: str, prefix: str) -> Any:
+    where = prefix.rstrip(".") or "top level"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: {where} must be a mapping, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in names:
+            full = [prefix + n for n in names]
+            close = difflib.get_close_matches(prefix + str(key), full, n=1, cutoff=0.6)
+            hint = f" (did you mean '{close[0]}'?)" if close else f" (valid keys: {', '.join(names)})"
+            raise ConfigError(f"{source}: unknown key '{prefix}{key}'{hint}")
+        kind = hints[key]
+        if dataclasses.is_dataclass(kind):
+            kwargs[key] = _build(kind, value, source, prefix=f"{prefix}{key}.")
+        else:
+            kwargs[key] = _convert(value, kind, f"{prefix}{key}", source)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def _convert(value: Any, kind: Any, key: str, source: str) -> Any:
+    """Check `value` against a field type, allowing the lossless conversions YAML needs."""
+    origin = typing.get_origin(kind)
+    if origin is Literal:
+        choices = typing.get_args(kind)
+        if value not in choices:
+            raise ConfigError(f"{source}: {key} must be one of {', '.join(map(str, choices))}; got {value!r}")
+        return value
+    if origin is tuple:
+        args = typing.get_args(kind)
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{source}: {key} must be a list of {len(args)} values; got {value!r}")
+        return tuple(_convert(v, a, key, source) for v, a in zip(value, args))
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+    elif kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # PyYAML reads `1e-3` as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif kind is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    else:
+        raise AssertionError(f"unsupported config type {kind} for {key}")
+    name = getattr(kind, "__name__", str(kind))
+    raise ConfigError(f"{source}: {key} must be {name}; got {value!r}")
+
+
+def apply_overrides(cfg: ExperimentConfig, overrides: list[str], source: str = "command line") -> ExperimentConfig:
+    """A copy of `cfg` with `a.b=value` overrides applied and validated."""
+    raw = to_dict(cfg)
+    for item in overrides:
+        _apply_override(raw, item)
+    return from_dict(raw, source)
+
+
+def save_config(cfg: ExperimentConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")

@@ -1,0 +1,16 @@
+"""The Transformer encoder-decoder: read transformer.py top to bottom."""
+
+from seq2seq.model.attention import DecoderCache, LayerCache, MultiHeadAttention
+from seq2seq.model.layers import DecoderLayer, EncoderLayer, FeedForward
+from seq2seq.model.transformer import Seq2SeqTransformer, build_model
+
+__all__ = [
+    "DecoderCache",
+    "DecoderLayer",
+    "EncoderLayer",
+    "FeedForward",
+    "LayerCache",
+    "MultiHeadAttention",
+    "Seq2SeqTransformer",
+    "build_model",
+]

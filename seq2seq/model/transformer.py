@@ -1,0 +1,174 @@
+"""The Transformer encoder-decoder (Vaswani et al., 2017) and its incremental API.
+
+Notation: B batch, S source length, T target length, D d_model, V vocabulary.
+
+Search code uses only `encode`, `init_cache`, `decode_step` and the cache's
+`reorder`/`select`; training uses `forward`. Both run the same layers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from seq2seq.config import ModelConfig
+from seq2seq.model.attention import DecoderCache, LayerCache, attention_mask
+from seq2seq.model.layers import DecoderLayer, EncoderLayer
+
+PAD = 0  # mirrors seq2seq.tokenizer.PAD; the model does not depend on the tokenizer
+
+
+def sinusoidal_table(n_positions: int, d_model: int) -> Tensor:
+    """PE(pos, 2i) = sin(pos / 10000^(2i/D)), PE(pos, 2i+1) = cos(...)  (section 3.5)."""
+    position = torch.arange(n_positions, dtype=torch.float32)[:, None]
+    inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / d_model))
+    table = torch.zeros(n_positions, d_model)
+    table[:, 0::2] = torch.sin(position * inv_freq)
+    table[:, 1::2] = torch.cos(position * inv_freq)[:, : d_model // 2]
+    return table  # (n_positions, D)
+
+
+class Embedding(nn.Module):
+    """Token embedding scaled by sqrt(D), plus a position encoding, then dropout."""
+
+    def __init__(
+        self, tokens: nn.Embedding, d_model: int, max_positions: int, learned: bool, dropout: float
+    ) -> None:
+        super().__init__()
+        self.tokens = tokens
+        self.scale = math.sqrt(d_model)
+        self.max_positions = max_positions
+        if learned:
+            self.positions: nn.Embedding | None = nn.Embedding(max_positions, d_model)
+            nn.init.normal_(self.positions.weight, std=d_model**-0.5)
+        else:
+            self.positions = None
+            self.register_buffer("table", sinusoidal_table(max_positions, d_model), persistent=False)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, ids: Tensor, start: int = 0) -> Tensor:
+        """ids: (B, L) at positions start .. start+L-1 -> (B, L, D)."""
+        length = ids.shape[1]
+        if start + length > self.max_positions:
+            raise ValueError(f"sequence of {start + length} positions exceeds model.max_positions={self.max_positions}")
+        if self.positions is not None:
+            pos = self.positions.weight[start : start + length]
+        else:
+            pos = self.table[start : start + length]
+        return self.dropout(self.tokens(ids) * self.scale + pos)
+
+
+class Encoder(nn.Module):
+    def __init__(self, embedding: Embedding, layers: list[EncoderLayer], final_norm: nn.Module) -> None:
+        super().__init__()
+        self.embedding = embedding
+        self.layers = nn.ModuleList(layers)
+        self.final_norm = final_norm  # LayerNorm for pre-norm, Identity for post-norm
+
+    def forward(self, src: Tensor, src_pad_mask: Tensor) -> Tensor:
+        mask = attention_mask(src_pad_mask)  # (B, 1, 1, S)
+        x = self.embedding(src)  # (B, S, D)
+        for layer in self.layers:
+            x = layer(x, mask)
+        return self.final_norm(x)
+
+
+class Decoder(nn.Module):
+    def __init__(
+        self, embedding: Embedding, layers: list[DecoderLayer], final_norm: nn.Module, output: nn.Linear
+    ) -> None:
+        super().__init__()
+        self.embedding = embedding
+        self.layers = nn.ModuleList(layers)
+        self.final_norm = final_norm
+        self.output = output  # (V, D) weight, tied to the embedding unless configured otherwise
+
+    def forward(self, tgt_in: Tensor, memory: Tensor, memory_mask: Tensor) -> Tensor:
+        x = self.embedding(tgt_in)  # (B, T, D)
+        for layer in self.layers:
+            x = layer(x, memory, memory_mask)
+        return self.output(self.final_norm(x))  # (B, T, V)
+
+    def step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
+        x = self.embedding(tokens, start=cache.step)  # (B, 1, D)
+        for layer, layer_cache in zip(self.layers, cache.layers):
+            x = layer.step(x, layer_cache, cache.cross_mask)
+        cache.step += 1
+        return self.output(self.final_norm(x))[:, 0]  # (B, V)
+
+
+class Seq2SeqTransformer(nn.Module):
+    def __init__(self, encoder: Encoder, decoder: Decoder) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self.decoder = decoder
+
+    def forward(self, src: Tensor, src_pad_mask: Tensor, tgt_in: Tensor) -> Tensor:
+        """Teacher-forced logits (B, T, V) for target inputs (B, T) given sources (B, S)."""
+        memory = self.encoder(src, src_pad_mask)
+        return self.decoder(tgt_in, memory, attention_mask(src_pad_mask))
+
+    # The incremental API used by search.
+
+    def encode(self, src: Tensor, src_pad_mask: Tensor) -> Tensor:
+        return self.encoder(src, src_pad_mask)  # (B, S, D)
+
+    def init_cache(self, memory: Tensor, src_pad_mask: Tensor) -> DecoderCache:
+        """Project the encoder output to each layer's cross-attention keys/values, once."""
+        layers = [LayerCache(*layer.cross_attn.project_memory(memory)) for layer in self.decoder.layers]
+        return DecoderCache(layers, attention_mask(src_pad_mask))
+
+    def decode_step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
+        """Logits (B, V) for the next position, given the last tokens (B, 1); advances `cache`."""
+        return self.decoder.step(tokens, cache)
+
+    @property
+    def max_positions(self) -> int:
+        return self.decoder.embedding.max_positions
+
+
+def build_model(cfg: ModelConfig, src_vocab_size: int, tgt_vocab_size: int) -> Seq2SeqTransformer:
+    """The model a config describes, with fairseq-style initialisation."""
+    if cfg.share_all_embeddings and src_vocab_size != tgt_vocab_size:
+        raise ValueError("model.share_all_embeddings needs one vocabulary for both languages")
+    d = cfg.d_model
+    tgt_tokens = _token_embedding(tgt_vocab_size, d)
+    src_tokens = tgt_tokens if cfg.share_all_embeddings else _token_embedding(src_vocab_size, d)
+    learned = cfg.positions == "learned"
+    layer_args = (d, cfg.n_heads, cfg.d_ff, cfg.dropout, cfg.attention_dropout, cfg.activation, cfg.norm == "pre")
+    encoder_layers = [EncoderLayer(*layer_args) for _ in range(cfg.encoder_layers)]
+    decoder_layers = [DecoderLayer(*layer_args) for _ in range(cfg.decoder_layers)]
+    for module in [*encoder_layers, *decoder_layers]:
+        _init_linear(module)
+    output = nn.Linear(d, tgt_vocab_size, bias=False)
+    if cfg.share_decoder_embeddings:
+        output.weight = tgt_tokens.weight
+    else:
+        nn.init.normal_(output.weight, std=d**-0.5)
+
+    def final_norm() -> nn.Module:
+        return nn.LayerNorm(d) if cfg.norm == "pre" else nn.Identity()
+
+    encoder = Encoder(Embedding(src_tokens, d, cfg.max_positions, learned, cfg.dropout), encoder_layers, final_norm())
+    decoder = Decoder(
+        Embedding(tgt_tokens, d, cfg.max_positions, learned, cfg.dropout), decoder_layers, final_norm(), output
+    )
+    return Seq2SeqTransformer(encoder, decoder)
+
+
+def _token_embedding(vocab_size: int, d_model: int) -> nn.Embedding:
+    embedding = nn.Embedding(vocab_size, d_model, padding_idx=PAD)
+    nn.init.normal_(embedding.weight, std=d_model**-0.5)
+    with torch.no_grad():
+        embedding.weight[PAD].zero_()
+    return embedding
+
+
+def _init_linear(module: nn.Module) -> None:
+    for sub in module.modules():
+        if isinstance(sub, nn.Linear):
+            nn.init.xavier_uniform_(sub.weight)
+            if sub.bias is not None:
+                nn.init.zeros_(sub.bias)

@@ -1,0 +1,117 @@
+"""SentencePiece subword tokenization with fixed special ids.
+
+The trained SentencePiece models travel inside every checkpoint as bytes, so a
+checkpoint alone is enough to translate.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import sentencepiece as spm
+
+from seq2seq.config import UserError
+
+PAD = 0
+UNK = 1
+BOS = 2
+EOS = 3
+
+
+class Tokenizer:
+    """A source and a target SentencePiece model (the same one when the vocabulary is shared)."""
+
+    def __init__(self, src_proto: bytes, tgt_proto: bytes | None = None) -> None:
+        self.src_proto = src_proto
+        self.tgt_proto = tgt_proto
+        self.src = _load(src_proto)
+        self.tgt = self.src if tgt_proto is None else _load(tgt_proto)
+
+    @property
+    def shared(self) -> bool:
+        return self.tgt_proto is None
+
+    @property
+    def src_vocab_size(self) -> int:
+        return self.src.get_piece_size()
+
+    @property
+    def tgt_vocab_size(self) -> int:
+        return self.tgt.get_piece_size()
+
+    def encode_src(self, lines: Sequence[str]) -> list[list[int]]:
+        return self.src.encode(list(lines))
+
+    def encode_tgt(self, lines: Sequence[str]) -> list[list[int]]:
+        return self.tgt.encode(list(lines))
+
+    def decode_tgt(self, ids: Sequence[int]) -> str:
+        return self.tgt.decode([i for i in ids if i > EOS])
+
+    def tgt_pieces(self, ids: Sequence[int]) -> list[str]:
+        return [self.tgt.id_to_piece(int(i)) for i in ids]
+
+    def state(self) -> dict[str, bytes | None]:
+        return {"src": self.src_proto, "tgt": self.tgt_proto}
+
+    @classmethod
+    def from_state(cls, state: dict[str, bytes | None]) -> Tokenizer:
+        assert state["src"] is not None
+        return cls(state["src"], state["tgt"])
+
+    def save(self, run_dir: str | Path) -> None:
+        """Write the .model files beside a run, for use by other tools."""
+        run_dir = Path(run_dir)
+        if self.shared:
+            (run_dir / "spm.model").write_bytes(self.src_proto)
+        else:
+            (run_dir / "spm.src.model").write_bytes(self.src_proto)
+            assert self.tgt_proto is not None
+            (run_dir / "spm.tgt.model").write_bytes(self.tgt_proto)
+
+
+def train_tokenizer(
+    src_lines: Sequence[str],
+    tgt_lines: Sequence[str],
+    vocab_size: int,
+    shared: bool,
+    model_type: str = "unigram",
+) -> Tokenizer:
+    """Train one joint model, or one per side, on the training text."""
+    if shared:
+        return Tokenizer(_train(list(src_lines) + list(tgt_lines), vocab_size, model_type))
+    return Tokenizer(_train(src_lines, vocab_size, model_type), _train(tgt_lines, vocab_size, model_type))
+
+
+def _train(lines: Iterable[str], vocab_size: int, model_type: str) -> bytes:
+    lines = [line for line in lines if line.strip()]
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(lines),
+            model_writer=model,
+            vocab_size=vocab_size,
+            model_type=model_type,
+            character_coverage=1.0,
+            pad_id=PAD,
+            unk_id=UNK,
+            bos_id=BOS,
+            eos_id=EOS,
+            input_sentence_size=2_000_000,
+            shuffle_input_sentence=True,
+            num_threads=2,
+            hard_vocab_limit=False,  # small corpora get a smaller vocabulary, not an error
+            minloglevel=2,
+        )
+    except RuntimeError as e:
+        # SentencePiece refuses a vocabulary larger than the text supports; say so plainly.
+        raise UserError(f"could not train the SentencePiece vocabulary: {e}") from None
+    return model.getvalue()
+
+
+def _load(proto: bytes) -> spm.SentencePieceProcessor:
+    processor = spm.SentencePieceProcessor()
+    processor.load_from_serialized_proto(proto)
+    return processor

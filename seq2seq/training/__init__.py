@@ -1,0 +1,1 @@
+"""Training: loss, optimisation, distributed helpers and the trainer loop."""

@@ -1,0 +1,40 @@
+"""Optimizers and learning-rate schedules; each schedule is a pure function of the step."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from seq2seq.config import TrainConfig
+
+
+def lr_at(step: int, schedule: str, lr: float, warmup: int, total_steps: int = 0, d_model: int = 512) -> float:
+    """Learning rate for optimizer update number `step` (1-based).
+
+    - inverse_sqrt: linear warmup to `lr`, then lr * sqrt(warmup / step) (fairseq).
+    - noam: `lr` is a factor: lr * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5) (Vaswani et al., 5.3).
+    - cosine: linear warmup, then cosine decay to 0 at `total_steps`.
+    - constant: linear warmup, then `lr`.
+    """
+    step = max(step, 1)
+    warm = min(1.0, step / warmup) if warmup > 0 else 1.0
+    if schedule == "inverse_sqrt":
+        return lr * warm if step <= warmup else lr * math.sqrt(max(warmup, 1) / step)
+    if schedule == "noam":
+        return lr * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
+    if schedule == "cosine":
+        if step <= warmup or total_steps <= warmup:
+            return lr * warm
+        progress = min(1.0, (step - warmup) / (total_steps - warmup))
+        return lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+    if schedule == "constant":
+        return lr * warm
+    raise ValueError(f"unknown schedule {schedule!r}")
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    kind = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
+    # foreach keeps the update a handful of fused ops instead of one per tensor.
+    return kind(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=True)
