@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,6 +126,9 @@ class TrainConfig:
         _require(self.max_steps >= 0, "train.max_steps", "must be >= 0")
         _require(self.max_minutes >= 0, "train.max_minutes", "must be >= 0")
         _require(self.lr > 0, "train.lr", "must be positive")
+        _require(all(0.0 <= b < 1.0 for b in self.betas), "train.betas", f"{list(self.betas)} must be in [0, 1)")
+        _require(self.eps > 0, "train.eps", "must be positive")
+        _require(self.weight_decay >= 0, "train.weight_decay", "must be >= 0")
         _require(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
         _require(
             self.schedule != "noam" or self.warmup_steps > 0,
@@ -266,7 +270,9 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
     parts = key.split(".")
     node = raw
     for part in parts[:-1]:
-        child = node.setdefault(part, {})
+        if node.get(part) is None:  # absent, or an empty section in the YAML file
+            node[part] = {}
+        child = node[part]
         if not isinstance(child, dict):
             raise ConfigError(f"command line: {key}: {part!r} is not a section")
         node = child
@@ -278,6 +284,8 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
 
 def _build(cls: type, raw: Any, source: str, prefix: str) -> Any:
     where = prefix.rstrip(".") or "top level"
+    if raw is None:  # an empty section (`data:` with nothing below) keeps the defaults
+        raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: {where} must be a mapping, got {type(raw).__name__}")
     hints = typing.get_type_hints(cls)
@@ -285,9 +293,9 @@ def _build(cls: type, raw: Any, source: str, prefix: str) -> Any:
     kwargs: dict[str, Any] = {}
     for key, value in raw.items():
         if key not in names:
-            full = [prefix + n for n in names]
-            close = difflib.get_close_matches(prefix + str(key), full, n=1, cutoff=0.6)
-            hint = f" (did you mean '{close[0]}'?)" if close else f" (valid keys: {', '.join(names)})"
+            # Compare bare names: a shared `section.` prefix would make every key look close.
+            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
+            hint = f" (did you mean '{prefix}{close[0]}'?)" if close else f" (valid keys: {', '.join(names)})"
             raise ConfigError(f"{source}: unknown key '{prefix}{key}'{hint}")
         kind = hints[key]
         if dataclasses.is_dataclass(kind):
@@ -322,13 +330,18 @@ def _convert(value: Any, kind: Any, key: str, source: str) -> Any:
         if isinstance(value, float) and value.is_integer():
             return int(value)
     elif kind is float:
+        number: float | None = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # PyYAML reads `1e-3` as a string
+            number = float(value)
+        elif isinstance(value, str):  # PyYAML reads `1e-3` as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None:
+            if not math.isfinite(number):  # `.inf`/`nan` would slip past every range check
+                raise ConfigError(f"{source}: {key} must be a finite number; got {value!r}")
+            return number
     elif kind is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)

@@ -1,0 +1,206 @@
+"""Config loading: every mistake is caught before training, in one line that says where and what."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from seq2seq.config import (
+    ConfigError,
+    ExperimentConfig,
+    apply_overrides,
+    from_dict,
+    load_config,
+    save_config,
+    to_dict,
+)
+from seq2seq.model import build_model
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "exp.yaml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def config_error(path: Path | None, *overrides: str) -> str:
+    """The message of the ConfigError that loading must raise."""
+    with pytest.raises(ConfigError) as info:
+        load_config(path, list(overrides))
+    message = str(info.value)
+    assert "\n" not in message, "config errors are one line"
+    return message
+
+
+# Every shipped config is valid (torchtune's test_configs): a typo in a YAML file fails here, not after a download.
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_shipped_config_loads_and_builds(path: Path) -> None:
+    cfg = load_config(path)
+    assert from_dict(to_dict(cfg)) == cfg  # what checkpoints store reads back the same
+    vocab = cfg.data.vocab_size
+    build_model(cfg.model, vocab, vocab)  # the model it describes can be built
+
+
+def test_configs_directory_is_not_empty() -> None:
+    assert {p.name for p in CONFIGS} >= {"tiny.yaml", "quickstart.yaml"}
+
+
+# Unknown keys.
+
+
+def test_unknown_section_names_key_file_and_suggestion(tmp_path: Path) -> None:
+    path = write(tmp_path, "modle:\n  d_model: 64\n")
+    message = config_error(path)
+    assert "'modle'" in message
+    assert str(path) in message
+    assert "did you mean 'model'" in message
+
+
+def test_unknown_nested_key_names_key_file_and_suggestion(tmp_path: Path) -> None:
+    path = write(tmp_path, "model:\n  d_modle: 64\n")
+    message = config_error(path)
+    assert "'model.d_modle'" in message
+    assert str(path) in message
+    assert "did you mean 'model.d_model'" in message
+
+
+def test_unknown_override_key_is_suggested_and_blames_command_line(tmp_path: Path) -> None:
+    message = config_error(write(tmp_path, "{}\n"), "train.lrr=0.1")
+    assert "'train.lrr'" in message and "did you mean 'train.lr'" in message
+    assert "command line" in message
+
+
+def test_unrelated_unknown_key_lists_valid_keys_instead_of_a_wrong_guess(tmp_path: Path) -> None:
+    """A shared `train.` prefix must not make `train.foo` look like `train.lr`."""
+    message = config_error(write(tmp_path, "train:\n  foo: 1\n"))
+    assert "did you mean" not in message
+    assert "valid keys:" in message and "max_tokens" in message
+
+
+# Types and values.
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "needle"),
+    [
+        ("model:\n  d_model: big\n", "model.d_model must be int; got 'big'"),
+        ("model:\n  d_model: true\n", "model.d_model must be int"),  # bool is not an int here
+        ("model:\n  d_model: 64.5\n", "model.d_model must be int"),
+        ("train:\n  lr: fast\n", "train.lr must be float"),
+        ("train:\n  deterministic: 1\n", "train.deterministic must be bool"),
+        ("train:\n  betas: 0.9\n", "train.betas must be a list of 2 values"),
+        ("data:\n  src_lang: null\n", "data.src_lang must be str"),
+        ("model: 5\n", "model must be a mapping"),
+    ],
+)
+def test_wrong_type_is_rejected(tmp_path: Path, yaml_text: str, needle: str) -> None:
+    path = write(tmp_path, yaml_text)
+    message = config_error(path)
+    assert needle in message and str(path) in message
+
+
+def test_invalid_choice_lists_the_choices(tmp_path: Path) -> None:
+    message = config_error(write(tmp_path, "model:\n  norm: middle\n"))
+    assert "model.norm must be one of post, pre; got 'middle'" in message
+
+
+def test_d_model_not_divisible_by_heads(tmp_path: Path) -> None:
+    message = config_error(write(tmp_path, "model:\n  d_model: 66\n  n_heads: 4\n"))
+    assert "model.d_model (66) must be divisible by model.n_heads (4)" in message
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["train.lr=.inf"], "train.lr must be a finite number"),
+        (["model.dropout=nan"], "model.dropout must be a finite number"),
+        (["train.betas=[0.9, 1.5]"], "train.betas"),
+        (["train.eps=0"], "train.eps must be positive"),
+        (["data.shared_vocab=false"], "model.share_all_embeddings needs data.shared_vocab"),
+        (["data.max_len=600"], "data.max_len (600) must be below model.max_positions (512)"),
+        (["decode.beam_size=2", "decode.nbest=3"], "decode.nbest (3) must not exceed decode.beam_size (2)"),
+    ],
+)
+def test_inconsistent_or_out_of_range_values(overrides: list[str], needle: str) -> None:
+    assert needle in config_error(None, *overrides)
+
+
+def test_invalid_yaml_reports_the_line(tmp_path: Path) -> None:
+    message = config_error(write(tmp_path, "model:\n  d_model: 64\n n_heads: [\n"))
+    assert "invalid YAML at line" in message
+
+
+def test_missing_config_file(tmp_path: Path) -> None:
+    assert "config file not found" in config_error(tmp_path / "nope.yaml")
+
+
+def test_empty_section_keeps_defaults(tmp_path: Path) -> None:
+    """`data:` with nothing below is YAML null; it means "no changes", not a type error."""
+    cfg = load_config(write(tmp_path, "data:\nmodel:\n  d_model: 64\n"), ["data.vocab_size=100"])
+    assert cfg.data.vocab_size == 100 and cfg.data.src_lang == "de" and cfg.model.d_model == 64
+
+
+# Command-line overrides.
+
+
+def test_overrides_convert_types_and_beat_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "train:\n  lr: 0.5\n  max_epochs: 3\n")
+    cfg = load_config(
+        path,
+        ["train.lr=1", "train.eps=1e-3", "train.deterministic=true", "train.betas=[0.8, 0.9]", "model.d_model=128"],
+    )
+    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)  # int -> float
+    assert cfg.train.eps == pytest.approx(1e-3) and isinstance(cfg.train.eps, float)  # PyYAML reads "1e-3" as str
+    assert cfg.train.deterministic is True
+    assert cfg.train.betas == (0.8, 0.9)  # a YAML list becomes the declared tuple
+    assert cfg.model.d_model == 128
+    assert cfg.train.max_epochs == 3  # untouched file values stay
+
+
+def test_overrides_into_a_new_section_and_with_equals_in_value(tmp_path: Path) -> None:
+    cfg = load_config(None, ["data.dir=/tmp/a=b", "decode.strategy=greedy"])
+    assert cfg.data.dir == "/tmp/a=b" and cfg.decode.strategy == "greedy"
+
+
+@pytest.mark.parametrize("override", ["train.lr", "=3", "train.lr.x=1", "train.betas=[0.9]"])
+def test_malformed_override_is_a_config_error(override: str) -> None:
+    config_error(None, override)
+
+
+def test_apply_overrides_returns_a_validated_copy() -> None:
+    cfg = ExperimentConfig()
+    changed = apply_overrides(cfg, ["decode.beam_size=3"])
+    assert changed.decode.beam_size == 3 and cfg.decode.beam_size == 5
+    with pytest.raises(ConfigError, match="decode.beam_size must be at least 1"):
+        apply_overrides(cfg, ["decode.beam_size=0"])
+
+
+def test_save_and_load_round_trip(tmp_path: Path) -> None:
+    cfg = load_config(None, ["train.betas=[0.8, 0.9]", "model.norm=post", "data.src_lang=fr"])
+    save_config(cfg, tmp_path / "saved.yaml")
+    assert load_config(tmp_path / "saved.yaml") == cfg
+
+
+# The CLI turns a ConfigError into one line and exit code 2.
+
+
+def test_cli_bad_config_exits_2_with_one_line_and_no_traceback(tmp_path: Path) -> None:
+    path = write(tmp_path, "model:\n  d_modle: 64\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "seq2seq", "train", "--config", str(path)],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "model.d_modle" in lines[0] and str(path) in lines[0] and "did you mean 'model.d_model'" in lines[0]
+    assert proc.stdout == ""
