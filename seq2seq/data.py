@@ -85,7 +85,7 @@ def encode_corpus(
     for s, t in zip(src_ids, tgt_ids):
         if not s or not t:
             empty += 1
-        elif len(s) + 1 > max_len or len(t) + 1 > max_len:
+        elif len(s) > max_len or len(t) > max_len:  # max_len counts subwords, EOS not included
             too_long += 1
         else:
             kept_src.append(s + [EOS])
