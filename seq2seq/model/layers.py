@@ -20,6 +20,7 @@ class FeedForward(nn.Module):
     """Position-wise D -> d_ff -> D network."""
 
     def __init__(self, d_model: int, d_ff: int, dropout: float, activation: str) -> None:
+        """`dropout` applies to the d_ff-wide hidden activations (fairseq's activation_dropout)."""
         super().__init__()
         self.fc1 = nn.Linear(d_model, d_ff)
         self.fc2 = nn.Linear(d_ff, d_model)
@@ -48,11 +49,11 @@ class Residual(nn.Module):
 class EncoderLayer(nn.Module):
     def __init__(
         self, d_model: int, n_heads: int, d_ff: int, dropout: float, attention_dropout: float,
-        activation: str, norm_first: bool,
+        activation_dropout: float, activation: str, norm_first: bool,
     ) -> None:  # fmt: skip
         super().__init__()
         self.self_attn = MultiHeadAttention(d_model, n_heads, attention_dropout)
-        self.ffn = FeedForward(d_model, d_ff, dropout, activation)
+        self.ffn = FeedForward(d_model, d_ff, activation_dropout, activation)
         self.attn_block = Residual(d_model, dropout, norm_first)
         self.ffn_block = Residual(d_model, dropout, norm_first)
 
@@ -65,12 +66,12 @@ class EncoderLayer(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(
         self, d_model: int, n_heads: int, d_ff: int, dropout: float, attention_dropout: float,
-        activation: str, norm_first: bool,
+        activation_dropout: float, activation: str, norm_first: bool,
     ) -> None:  # fmt: skip
         super().__init__()
         self.self_attn = MultiHeadAttention(d_model, n_heads, attention_dropout)
         self.cross_attn = MultiHeadAttention(d_model, n_heads, attention_dropout)
-        self.ffn = FeedForward(d_model, d_ff, dropout, activation)
+        self.ffn = FeedForward(d_model, d_ff, activation_dropout, activation)
         self.self_block = Residual(d_model, dropout, norm_first)
         self.cross_block = Residual(d_model, dropout, norm_first)
         self.ffn_block = Residual(d_model, dropout, norm_first)

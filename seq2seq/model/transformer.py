@@ -85,11 +85,14 @@ class Decoder(nn.Module):
         self.final_norm = final_norm
         self.output = output  # (V, D) weight, tied to the embedding unless configured otherwise
 
-    def forward(self, tgt_in: Tensor, memory: Tensor, memory_mask: Tensor) -> Tensor:
+    def forward(self, tgt_in: Tensor, memory: Tensor, memory_mask: Tensor, select: Tensor | None = None) -> Tensor:
         x = self.embedding(tgt_in)  # (B, T, D)
         for layer in self.layers:
             x = layer(x, memory, memory_mask)
-        return self.output(self.final_norm(x))  # (B, T, V)
+        x = self.final_norm(x)
+        if select is not None:
+            x = x[select]  # (N, D): project only the positions that are scored
+        return self.output(x)  # (B, T, V) or (N, V)
 
     def step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
         x = self.embedding(tokens, start=cache.step)  # (B, 1, D)
@@ -105,10 +108,15 @@ class Seq2SeqTransformer(nn.Module):
         self.encoder = encoder
         self.decoder = decoder
 
-    def forward(self, src: Tensor, src_pad_mask: Tensor, tgt_in: Tensor) -> Tensor:
-        """Teacher-forced logits (B, T, V) for target inputs (B, T) given sources (B, S)."""
+    def forward(self, src: Tensor, src_pad_mask: Tensor, tgt_in: Tensor, select: Tensor | None = None) -> Tensor:
+        """Teacher-forced logits (B, T, V) for target inputs (B, T) given sources (B, S).
+
+        With `select` (B, T) bool, only the selected positions are projected to the
+        vocabulary and (N, V) is returned: training skips the padding this way,
+        before the most expensive matmul rather than after it.
+        """
         memory = self.encoder(src, src_pad_mask)
-        return self.decoder(tgt_in, memory, attention_mask(src_pad_mask))
+        return self.decoder(tgt_in, memory, attention_mask(src_pad_mask), select)
 
     # The incremental API used by search.
 
@@ -137,7 +145,8 @@ def build_model(cfg: ModelConfig, src_vocab_size: int, tgt_vocab_size: int) -> S
     tgt_tokens = _token_embedding(tgt_vocab_size, d)
     src_tokens = tgt_tokens if cfg.share_all_embeddings else _token_embedding(src_vocab_size, d)
     learned = cfg.positions == "learned"
-    layer_args = (d, cfg.n_heads, cfg.d_ff, cfg.dropout, cfg.attention_dropout, cfg.activation, cfg.norm == "pre")
+    layer_args = (d, cfg.n_heads, cfg.d_ff, cfg.dropout, cfg.attention_dropout, cfg.activation_dropout,
+                  cfg.activation, cfg.norm == "pre")  # fmt: skip
     encoder_layers = [EncoderLayer(*layer_args) for _ in range(cfg.encoder_layers)]
     decoder_layers = [DecoderLayer(*layer_args) for _ in range(cfg.decoder_layers)]
     for module in [*encoder_layers, *decoder_layers]:

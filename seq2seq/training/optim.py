@@ -34,7 +34,10 @@ def lr_at(step: int, schedule: str, lr: float, warmup: int, total_steps: int = 0
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    # Second moments of rarely seen embeddings decay into denormal floats, which x86
+    # CPUs process far slower; flushing them to zero changes nothing else.
+    torch.set_flush_denormal(True)
     params = [p for p in model.parameters() if p.requires_grad]
     kind = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
-    # foreach keeps the update a handful of fused ops instead of one per tensor.
-    return kind(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=True)
+    # The fused kernel updates each tensor in one pass (CPU and CUDA) instead of ~10 elementwise ops.
+    return kind(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, fused=True)
