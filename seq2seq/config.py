@@ -63,6 +63,7 @@ class ModelConfig:
     decoder_layers: int = 3
     dropout: float = 0.1
     attention_dropout: float = 0.0
+    activation_dropout: float = 0.0  # inside the feed-forward block (4x wider, so 4x the RNG cost)
     activation: Literal["relu", "gelu"] = "relu"
     norm: Literal["post", "pre"] = "pre"
     positions: Literal["sinusoidal", "learned"] = "sinusoidal"
@@ -83,6 +84,7 @@ class ModelConfig:
         _require(self.decoder_layers >= 1, "model.decoder_layers", "must be at least 1")
         _require(0.0 <= self.dropout < 1.0, "model.dropout", "must be in [0, 1)")
         _require(0.0 <= self.attention_dropout < 1.0, "model.attention_dropout", "must be in [0, 1)")
+        _require(0.0 <= self.activation_dropout < 1.0, "model.activation_dropout", "must be in [0, 1)")
         _require(self.max_positions >= 8, "model.max_positions", "must be at least 8")
 
 
@@ -113,6 +115,7 @@ class TrainConfig:
     valid_bleu: bool = True  # decode the validation set for BLEU at each validation
     best_metric: Literal["bleu", "loss"] = "bleu"
     patience: int = 0  # validations without improvement before stopping; 0: never stop
+    save_every: int = 0  # steps between checkpoint_last saves besides validations (bounds the loss to a kill -9); 0: off
     keep_last: int = 5  # epoch/step checkpoints kept besides checkpoint_last and _best
     average_last: int = 0  # average this many last checkpoints at the end of training; 0: off
     log_every: int = 50
@@ -139,6 +142,7 @@ class TrainConfig:
         _require(self.clip_norm >= 0, "train.clip_norm", "must be >= 0")
         _require(self.valid_every >= 0, "train.valid_every", "must be >= 0")
         _require(self.patience >= 0, "train.patience", "must be >= 0")
+        _require(self.save_every >= 0, "train.save_every", "must be >= 0")
         _require(self.keep_last >= 0, "train.keep_last", "must be >= 0")
         _require(self.average_last >= 0, "train.average_last", "must be >= 0")
         _require(self.log_every >= 1, "train.log_every", "must be at least 1")
