@@ -58,7 +58,7 @@ def moses_lowercase_tokenize(lines: Sequence[str], lang: str) -> list[str]:
         raise UserError("tokenized BLEU needs sacremoses: pip install 'seq2seq[recipes]'") from None
     normalizer = MosesPunctNormalizer(lang=lang)
     tokenizer = MosesTokenizer(lang=lang)
-    return [tokenizer.tokenize(normalizer.normalize(line.lower()), return_str=True, escape=False) for line in lines]
+    return [tokenizer.tokenize(normalizer.normalize(line.lower()), return_str=True, escape=True) for line in lines]
 
 
 def tokenized_bleu(hypotheses: Sequence[str], tokenized_references: Sequence[str], lang: str) -> Score:
