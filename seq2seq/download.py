@@ -47,7 +47,7 @@ def download_multi30k(dest: str | Path, langs: tuple[str, ...], mirror: str | Pa
         for lang in langs:
             name = f"{split}.{lang}.gz"
             path = dest / name
-            if not (path.is_file() and _count_lines(path) == expected):
+            if not _complete(path, expected):
                 _fetch(f"raw/{name}", path, mirror)
             _check_lines(path, expected)
             fetched.append(path)
@@ -100,6 +100,14 @@ def _mirror_file(mirror: Path, relative: str) -> Path:
     if not mirror.is_dir():
         raise DownloadError(f"mirror directory not found: {mirror}")
     raise DownloadError(f"{mirror} has no {relative.removeprefix('raw/')}")
+
+
+def _complete(path: Path, expected: int) -> bool:
+    """Whether an earlier download can be reused; a damaged one is fetched again."""
+    try:
+        return path.is_file() and _count_lines(path) == expected
+    except DownloadError:
+        return False
 
 
 def _count_lines(path: Path) -> int:
