@@ -1,18 +1,44 @@
 """Greedy, sampling and beam search over the model's incremental API.
 
-Notation: B sentences, K beam size, V vocabulary, N = B * K hypothesis rows.
+Notation: B sentences, K beam size, V vocabulary, N hypothesis rows (B, or B * K).
 
-The loops here call only `encode`, `init_cache`, `decode_step` and the
-cache's `reorder`/`select`; the selection rules (`beam_step`, `pick_*`) and the
-score adjustments (`length_penalty`, `constrain`) are separate pure functions.
+The loops call only `encode`, `init_cache`, `decode_step` and the cache's
+`reorder`/`select`. The selection rules (`beam_step`, `pick_greedy`,
+`make_sampler`) and the score adjustments (`length_penalty`, `constrain`) are
+separate pure functions.
 
-Scores: a hypothesis of n tokens (EOS included) with summed log-probability L
-scores L / lp(n), with the GNMT length penalty lp(n) = ((5 + n) / 6) ** alpha
-(Wu et al., 2016, eq. 14; alpha = 0 gives the plain sum).
+Lengths. A hypothesis is its tokens followed by EOS; n counts the EOS. Sentence
+i may have at most max_len_i = floor(a * s_i + b) tokens before its EOS, with
+s_i its non-padding source tokens (EOS included), a = decode.max_len_a,
+b = decode.max_len_b, capped by decode.max_len and the model's positions, and
+raised to decode.min_len. EOS is forbidden before min_len tokens and forced
+after max_len_i; a forced EOS scores the model's own log-probability.
+
+Scores. A hypothesis with summed token log-probability L scores L / lp(n), with
+the GNMT length penalty lp(n) = ((5 + n) / 6) ** alpha (Wu et al., 2016, eq. 14;
+alpha = decode.length_penalty; alpha = 0 ranks by the plain sum).
+
+Stopping rule (beam search, as in fairseq). Each step takes the 2K best
+extensions of a sentence's K live hypotheses by summed log-probability. EOS
+extensions ranked among the top K finish (they leave the beam and never grow);
+the K best other extensions live on. A sentence stops as soon as K hypotheses
+have finished, or when all its live hypotheses are forced to end at max_len_i.
+With alpha > 0 a live hypothesis could in principle still overtake a finished
+one; like fairseq we do not keep searching for it.
+
+Batch invariance. Every operation is per sentence (per row, or per group of K
+rows), and a sampled sentence draws from its own random stream, seeded by
+decode.seed and its source tokens, so a translation does not depend on which
+sentences share its batch (up to floating-point rounding in the model's matmuls).
+
+`UncachedModel` is a reference and a benchmark baseline: the same API with no
+key/value cache, recomputing the decoder over the whole prefix at every step.
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -21,6 +47,8 @@ import torch
 from torch import Tensor
 
 from seq2seq.config import DecodeConfig
+from seq2seq.model import Seq2SeqTransformer
+from seq2seq.model.attention import attention_mask
 from seq2seq.tokenizer import BOS, EOS, PAD, UNK
 
 NEG_INF = float("-inf")
@@ -34,9 +62,9 @@ class IncrementalModel(Protocol):
 
 @dataclass
 class Hypothesis:
-    tokens: list[int]  # ends with EOS unless cut at the length limit
-    score: float  # length-normalised log-probability
-    token_scores: list[float] = field(default_factory=list)  # log-probability of each token
+    tokens: list[int]  # always ends with EOS
+    score: float  # sum(token_scores) / length_penalty(len(tokens), alpha)
+    token_scores: list[float] = field(default_factory=list)  # model log-probability of each token
 
 
 def length_penalty(length: int | Tensor, alpha: float) -> float | Tensor:
@@ -45,18 +73,21 @@ def length_penalty(length: int | Tensor, alpha: float) -> float | Tensor:
 
 
 def max_lengths(src_pad_mask: Tensor, cfg: DecodeConfig, limit: int) -> Tensor:
-    """Per-sentence output limit a * source length + b, capped by decode.max_len and `limit`. (B,)"""
+    """Tokens allowed before EOS per sentence: a * source length + b, within [min_len, min(max_len, limit)]. (B,)"""
     src_len = (~src_pad_mask).sum(dim=1).float()
-    lengths = (cfg.max_len_a * src_len + cfg.max_len_b).long()
-    return lengths.clamp(min=1, max=min(cfg.max_len, limit))
+    lengths = (cfg.max_len_a * src_len + cfg.max_len_b).floor().long()
+    return lengths.clamp(min=cfg.min_len).clamp(max=min(cfg.max_len, limit))
 
 
-def constrain(logprobs: Tensor, step: int, limits: Tensor, history: Tensor, cfg: DecodeConfig) -> Tensor:
-    """Apply length limits, UNK suppression and n-gram blocking to next-token scores.
+def constrain(logprobs: Tensor, step: int, max_len: Tensor, history: Tensor, cfg: DecodeConfig) -> Tensor:
+    """Forbid PAD/BOS (and UNK, repeated n-grams, an early EOS); force EOS at the length limit. In place.
 
-    logprobs: (N, V) for the token at position `step` (0-based); limits: (N,)
-    maximum lengths; history: (N, step + 1) tokens so far, BOS first.
+    logprobs: (N, V) for the token at 0-based position `step`; max_len: (N,)
+    tokens allowed before EOS; history: (N, step + 1) tokens so far, BOS first.
+    A row left with no allowed token (tiny vocabularies, n-gram blocking) ends
+    with EOS, so every hypothesis can always finish.
     """
+    model_eos = logprobs[:, EOS].clone()  # (N,)
     logprobs[:, PAD] = NEG_INF
     logprobs[:, BOS] = NEG_INF
     if cfg.suppress_unk:
@@ -64,100 +95,112 @@ def constrain(logprobs: Tensor, step: int, limits: Tensor, history: Tensor, cfg:
     if step < cfg.min_len:
         logprobs[:, EOS] = NEG_INF
     if cfg.no_repeat_ngram > 0:
-        _block_repeated_ngrams(logprobs, history, cfg.no_repeat_ngram)
-    at_limit = limits <= step + 1  # this token is the last allowed: it must be EOS
-    if at_limit.any():
-        eos_scores = logprobs[at_limit, EOS].clone()
-        logprobs[at_limit] = NEG_INF
-        logprobs[at_limit, EOS] = torch.where(torch.isinf(eos_scores), 0.0, eos_scores)
+        block_repeated_ngrams(logprobs, history[:, 1:], cfg.no_repeat_ngram)
+    forced = (max_len <= step) | (logprobs.amax(dim=-1) == NEG_INF)  # (N,)
+    if forced.any():
+        logprobs[forced] = NEG_INF
+        # A model that rules EOS out entirely (possible only with -inf logits) gets a cut, scored 0.
+        logprobs[forced, EOS] = model_eos[forced].nan_to_num(neginf=0.0)
     return logprobs
 
 
-def _block_repeated_ngrams(logprobs: Tensor, history: Tensor, n: int) -> None:
-    """Forbid any token that would complete an n-gram already in the row's history."""
-    if history.shape[1] < n:
+def block_repeated_ngrams(logprobs: Tensor, tokens: Tensor, n: int) -> None:
+    """Forbid any token that would complete an n-gram already in the row's tokens (N, t). In place."""
+    N, t = tokens.shape
+    if t < n:
         return
-    rows = history[:, 1:].tolist()  # without BOS
-    for row, tokens in enumerate(rows):
-        if len(tokens) < n - 1:
-            continue
-        prefix = tuple(tokens[len(tokens) - n + 1 :]) if n > 1 else ()
-        banned = [
-            tokens[i + n - 1]
-            for i in range(len(tokens) - n + 1)
-            if tuple(tokens[i : i + n - 1]) == prefix
-        ]
-        if banned:
-            logprobs[row, banned] = NEG_INF
+    grams = tokens.unfold(1, n, 1)  # (N, t - n + 1, n)
+    if n > 1:
+        match = (grams[:, :, :-1] == tokens[:, None, t - n + 1 :]).all(dim=-1)  # (N, t - n + 1)
+    else:
+        match = torch.ones(grams.shape[:2], dtype=torch.bool, device=tokens.device)
+    hits = torch.zeros_like(logprobs).scatter_add_(1, grams[:, :, -1], match.to(logprobs.dtype))  # (N, V)
+    logprobs.masked_fill_(hits > 0, NEG_INF)
 
 
 # Greedy and sampling: one hypothesis per sentence, one loop, two selection rules.
 
+Picker = Callable[[Tensor, Tensor, int], Tensor]
+"""(logprobs (N, V), sentence index of each row (N,), step) -> chosen tokens (N,)."""
 
-def pick_greedy(logprobs: Tensor) -> Tensor:
+
+def pick_greedy(logprobs: Tensor, sentence: Tensor, step: int) -> Tensor:
     return logprobs.argmax(dim=-1)  # (N,)
 
 
-def make_sampler(cfg: DecodeConfig, device: torch.device) -> Callable[[Tensor], Tensor]:
-    """Temperature, top-k and nucleus (top-p) sampling with its own seeded generator."""
-    generator = torch.Generator(device=device).manual_seed(cfg.seed)
+def restrict(scores: Tensor, top_k: int, top_p: float) -> Tensor:
+    """Keep the top-k tokens, then the smallest set whose probability reaches top_p (nucleus). (N, V)"""
+    if top_k > 0:
+        kth = scores.topk(min(top_k, scores.shape[-1]), dim=-1).values[:, -1:]  # (N, 1)
+        scores = scores.masked_fill(scores < kth, NEG_INF)
+    if top_p < 1.0:
+        sorted_scores, order = scores.sort(dim=-1, descending=True)
+        probs = sorted_scores.softmax(dim=-1)
+        drop = probs.cumsum(dim=-1) - probs >= top_p  # mass before this token already reaches p
+        scores = scores.scatter(-1, order, sorted_scores.masked_fill(drop, NEG_INF))
+    return scores
 
-    def pick(logprobs: Tensor) -> Tensor:
-        scores = logprobs / cfg.temperature
-        if cfg.top_k > 0:
-            kth = scores.topk(min(cfg.top_k, scores.shape[-1]), dim=-1).values[:, -1:]
-            scores = scores.masked_fill(scores < kth, NEG_INF)
-        if cfg.top_p < 1.0:
-            sorted_scores, order = scores.sort(dim=-1, descending=True)
-            cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-            drop = cumulative - sorted_scores.softmax(dim=-1) >= cfg.top_p  # keep the first token past p
-            scores = scores.scatter(-1, order, sorted_scores.masked_fill(drop, NEG_INF))
-        return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator).squeeze(-1)
+
+def make_sampler(cfg: DecodeConfig, src: Tensor, src_pad_mask: Tensor, steps: int) -> Picker:
+    """Temperature, top-k and top-p sampling by inverse CDF, with one seeded stream per sentence."""
+    uniforms = sentence_uniforms(src, src_pad_mask, cfg.seed, steps)  # (B, steps)
+
+    def pick(logprobs: Tensor, sentence: Tensor, step: int) -> Tensor:
+        probs = restrict(logprobs / cfg.temperature, cfg.top_k, cfg.top_p).softmax(dim=-1)
+        cdf = probs.double().cumsum(dim=-1)  # (N, V); float64 so that u * total stays below total
+        u = uniforms[sentence, step, None] * cdf[:, -1:]  # (N, 1)
+        # right=True skips tokens of probability 0, whose CDF equals their predecessor's.
+        return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
 
     return pick
 
 
+def sentence_uniforms(src: Tensor, src_pad_mask: Tensor, seed: int, steps: int) -> Tensor:
+    """Uniform [0, 1) numbers (B, steps) from a generator seeded by `seed` and each sentence's tokens."""
+    rows = []
+    for ids, pad in zip(src.tolist(), src_pad_mask.tolist()):
+        key = repr((seed, [i for i, p in zip(ids, pad) if not p])).encode()
+        generator = torch.Generator().manual_seed(int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1)
+        rows.append(torch.rand(steps, generator=generator, dtype=torch.float64))
+    return torch.stack(rows).to(src.device)
+
+
 @torch.no_grad()
 def sequential_search(
-    model: IncrementalModel,
-    src: Tensor,
-    src_pad_mask: Tensor,
-    cfg: DecodeConfig,
-    pick: Callable[[Tensor], Tensor],
-    limit: int,
+    model: IncrementalModel, src: Tensor, src_pad_mask: Tensor, cfg: DecodeConfig, pick: Picker, limit: int
 ) -> list[list[Hypothesis]]:
     """Decode one hypothesis per sentence, choosing each token with `pick`.
 
-    Finished sentences leave the batch, so later steps only compute live rows.
+    Finished sentences leave the batch, so later steps compute only live rows.
     """
     B = src.shape[0]
     cache = model.init_cache(model.encode(src, src_pad_mask), src_pad_mask)
-    limits = max_lengths(src_pad_mask, cfg, limit)
-    alive = torch.arange(B, device=src.device)  # original sentence of each row
-    history = torch.full((B, 1), BOS, dtype=torch.long, device=src.device)
-    step_scores = torch.zeros(B, 0, device=src.device)
+    max_len = max_lengths(src_pad_mask, cfg, limit)  # (B,)
+    alive = torch.arange(B, device=src.device)  # batch index of each row
+    history = torch.full((B, 1), BOS, dtype=torch.long, device=src.device)  # (N, step + 1)
+    step_scores = torch.zeros(B, 0, device=src.device)  # (N, step)
     results: list[list[Hypothesis]] = [[] for _ in range(B)]
-    step = 0
-    while alive.numel() > 0:
-        logits = model.decode_step(history[:, -1:], cache)
-        logprobs = constrain(torch.log_softmax(logits.float(), dim=-1), step, limits[alive], history, cfg)
-        token = pick(logprobs)  # (N,)
+    for step in itertools.count():  # ends: EOS is forced once step reaches max_len
+        logits = model.decode_step(history[:, -1:], cache)  # (N, V)
+        logprobs = constrain(torch.log_softmax(logits.float(), dim=-1), step, max_len[alive], history, cfg)
+        token = pick(logprobs, alive, step)  # (N,)
         history = torch.cat([history, token[:, None]], dim=1)
         step_scores = torch.cat([step_scores, logprobs.gather(1, token[:, None])], dim=1)
         done = token == EOS
+        if not done.any():
+            continue
         for row in done.nonzero().flatten().tolist():
-            results[int(alive[row])] = [_hypothesis(history[row, 1:], step_scores[row], cfg.length_penalty)]
-        if done.any():
-            keep = (~done).nonzero().flatten()
-            alive, history, step_scores = alive[keep], history[keep], step_scores[keep]
-            cache.select(keep)
-        step += 1
-    return results
+            results[int(alive[row])] = [make_hypothesis(history[row, 1:].tolist(), step_scores[row].tolist(), cfg.length_penalty)]
+        if done.all():
+            return results
+        keep = (~done).nonzero().flatten()
+        alive, history, step_scores = alive[keep], history[keep], step_scores[keep]
+        cache.select(keep)
+    raise AssertionError("unreachable")
 
 
-def _hypothesis(tokens: Tensor, scores: Tensor, alpha: float) -> Hypothesis:
-    token_scores = scores.tolist()
-    return Hypothesis(tokens.tolist(), sum(token_scores) / float(length_penalty(len(token_scores), alpha)), token_scores)
+def make_hypothesis(tokens: list[int], token_scores: list[float], alpha: float) -> Hypothesis:
+    return Hypothesis(tokens, sum(token_scores) / float(length_penalty(len(tokens), alpha)), token_scores)
 
 
 # Beam search.
@@ -167,34 +210,38 @@ def _hypothesis(tokens: Tensor, scores: Tensor, alpha: float) -> Hypothesis:
 class BeamStep:
     """The outcome of one beam step for every sentence still searching."""
 
-    next_scores: Tensor  # (B, K) cumulative log-probabilities of the kept live hypotheses
-    next_tokens: Tensor  # (B, K)
-    next_rows: Tensor  # (B, K) row (in N) each kept hypothesis extends
-    eos_rows: Tensor  # (M,) rows whose EOS extension is among the top K ...
-    eos_scores: Tensor  # (M,) ... and its cumulative log-probability
+    next_scores: Tensor  # (B, K) summed log-probabilities of the kept live hypotheses; -inf for empty slots
+    next_tokens: Tensor  # (B, K) their last token; PAD in empty slots
+    next_rows: Tensor  # (B, K) the row (in N) each one extends
+    eos_rows: Tensor  # (M,) rows whose EOS extension ranks among the top K, sentence by sentence, best first ...
+    eos_scores: Tensor  # (M,) ... and its summed log-probability
 
 
 def beam_step(scores: Tensor, logprobs: Tensor) -> BeamStep:
     """The selection rule: the K best live extensions, and the EOS ones among the top K.
 
-    scores: (B, K) cumulative log-probabilities (-inf for unused beams);
-    logprobs: (B * K, V) next-token log-probabilities.
+    scores: (B, K) summed log-probabilities (-inf for empty slots);
+    logprobs: (B * K, V) next-token log-probabilities (-inf where forbidden).
+    Among the 2K best candidates at most K are EOS (one per row), so K live ones
+    remain whenever K finite non-EOS candidates exist; otherwise slots stay empty.
     """
     B, K = scores.shape
     V = logprobs.shape[-1]
     candidates = (scores[:, :, None] + logprobs.view(B, K, V)).view(B, K * V)
-    top_scores, top_index = candidates.topk(min(2 * K, K * V), dim=1)  # (B, 2K): at most K end in EOS
+    top_scores, top_index = candidates.topk(min(2 * K, K * V), dim=1)  # (B, 2K), best first
     top_tokens = top_index % V
     top_rows = top_index // V + torch.arange(B, device=scores.device)[:, None] * K
-    is_eos = (top_tokens == EOS) | torch.isinf(top_scores)
-    # EOS candidates ranked among the top K finish; the first K others live on.
-    rank = torch.arange(top_scores.shape[1], device=scores.device).expand_as(top_scores)
-    finishing = (top_tokens == EOS) & (rank < K) & ~torch.isinf(top_scores)
-    live_order = (is_eos.long() * top_scores.shape[1] + rank).argsort(dim=1)[:, :K]  # stable: live first
+    finite = torch.isfinite(top_scores)
+    is_eos = top_tokens == EOS
+    rank = torch.arange(top_scores.shape[1], device=scores.device)
+    finishing = is_eos & finite & (rank < K)
+    live = ~is_eos & finite
+    order = (~live).to(torch.uint8).argsort(dim=1, stable=True)[:, :K]  # live candidates first, best first
+    kept = live.gather(1, order)
     return BeamStep(
-        next_scores=top_scores.gather(1, live_order).masked_fill(is_eos.gather(1, live_order), NEG_INF),
-        next_tokens=top_tokens.gather(1, live_order),
-        next_rows=top_rows.gather(1, live_order),
+        next_scores=top_scores.gather(1, order).masked_fill(~kept, NEG_INF),
+        next_tokens=top_tokens.gather(1, order).masked_fill(~kept, PAD),
+        next_rows=top_rows.gather(1, order),
         eos_rows=top_rows[finishing],
         eos_scores=top_scores[finishing],
     )
@@ -204,49 +251,47 @@ def beam_step(scores: Tensor, logprobs: Tensor) -> BeamStep:
 def beam_search(
     model: IncrementalModel, src: Tensor, src_pad_mask: Tensor, cfg: DecodeConfig, limit: int
 ) -> list[list[Hypothesis]]:
-    """Batched beam search; returns up to `cfg.nbest` hypotheses per sentence, best first.
+    """Batched beam search; up to `cfg.nbest` distinct hypotheses per sentence, best first.
 
-    A sentence stops once it has K finished hypotheses (or reaches its length
-    limit); its rows then leave the batch. Finished hypotheses never grow.
+    Rows of a sentence are contiguous (sentence b owns rows b*K .. b*K+K-1). The
+    cache is expanded to K rows per sentence once, reordered within sentences at
+    each step, and shrunk only when a sentence stops.
     """
     B, K, device = src.shape[0], cfg.beam_size, src.device
     cache = model.init_cache(model.encode(src, src_pad_mask), src_pad_mask)
     cache.select(torch.arange(B, device=device).repeat_interleave(K))  # cross K/V expanded once
-    limits = max_lengths(src_pad_mask, cfg, limit).repeat_interleave(K)  # (N,)
-    sentence = torch.arange(B, device=device)  # original index of each searching sentence
+    max_len = max_lengths(src_pad_mask, cfg, limit).repeat_interleave(K)  # (N,)
+    sentence = torch.arange(B, device=device)  # batch index of each searching sentence
     scores = torch.full((B, K), NEG_INF, device=device)
-    scores[:, 0] = 0.0  # all beams start identical: expand only the first
-    history = torch.full((B * K, 1), BOS, dtype=torch.long, device=device)
-    step_scores = torch.zeros(B * K, 0, device=device)
+    scores[:, 0] = 0.0  # all K rows start as BOS: expand only the first
+    history = torch.full((B * K, 1), BOS, dtype=torch.long, device=device)  # (N, step + 1)
+    step_scores = torch.zeros(B * K, 0, device=device)  # (N, step)
     finished: list[list[Hypothesis]] = [[] for _ in range(B)]
-    step = 0
-    while sentence.numel() > 0:
-        logits = model.decode_step(history[:, -1:], cache)
-        logprobs = constrain(torch.log_softmax(logits.float(), dim=-1), step, limits, history, cfg)
+    for step in itertools.count():  # ends: EOS is forced once step reaches max_len
+        logits = model.decode_step(history[:, -1:], cache)  # (N, V)
+        logprobs = constrain(torch.log_softmax(logits.float(), dim=-1), step, max_len, history, cfg)
         out = beam_step(scores, logprobs)
-        _collect_finished(finished, out, sentence, history, step_scores, logprobs, K, cfg.length_penalty)
-        rows = out.next_rows.flatten()
-        history = torch.cat([history[rows], out.next_tokens.view(-1, 1)], dim=1)
-        step_scores = torch.cat(
-            [step_scores[rows], logprobs[rows, out.next_tokens.flatten()][:, None]], dim=1
-        )
+        collect_finished(finished, out, sentence, history, step_scores, logprobs, K, cfg.length_penalty)
+        rows, tokens = out.next_rows.flatten(), out.next_tokens.flatten()  # (N,)
+        history = torch.cat([history[rows], tokens[:, None]], dim=1)
+        step_scores = torch.cat([step_scores[rows], logprobs[rows, tokens][:, None]], dim=1)
         scores = out.next_scores
-        searching = torch.tensor(
-            [len(finished[int(s)]) < K for s in sentence.tolist()], device=device
-        ) & ~torch.isinf(scores).all(dim=1)
+        n_finished = torch.tensor([len(finished[b]) for b in sentence.tolist()], device=device)
+        searching = (n_finished < K) & torch.isfinite(scores).any(dim=1)  # (B,)
+        if not searching.any():
+            break
         if searching.all():
             cache.reorder(rows)
-        else:
-            keep = searching.nonzero().flatten()
-            keep_rows = (keep[:, None] * K + torch.arange(K, device=device)).flatten()
-            cache.select(rows[keep_rows])
-            sentence, scores, limits = sentence[keep], scores[keep], limits[keep_rows]
-            history, step_scores = history[keep_rows], step_scores[keep_rows]
-        step += 1
+            continue
+        keep = searching.nonzero().flatten()
+        keep_rows = (keep[:, None] * K + torch.arange(K, device=device)).flatten()
+        cache.select(rows[keep_rows])  # rows of a kept sentence share its cross K/V, so this is exact
+        sentence, scores, max_len = sentence[keep], scores[keep], max_len[keep_rows]
+        history, step_scores = history[keep_rows], step_scores[keep_rows]
     return [sorted(hyps, key=lambda h: -h.score)[: cfg.nbest] for hyps in finished]
 
 
-def _collect_finished(
+def collect_finished(
     finished: list[list[Hypothesis]],
     out: BeamStep,
     sentence: Tensor,
@@ -256,23 +301,90 @@ def _collect_finished(
     K: int,
     alpha: float,
 ) -> None:
-    """Turn this step's EOS extensions into finished hypotheses (at most K per sentence)."""
-    for row, total in zip(out.eos_rows.tolist(), out.eos_scores.tolist()):
+    """Turn this step's EOS extensions into finished hypotheses, best first, at most K per sentence.
+
+    Scores are recomputed from the token log-probabilities (in float64, as for
+    greedy search), so beam size 1 and greedy agree exactly.
+    """
+    for row in out.eos_rows.tolist():
         hyps = finished[int(sentence[row // K])]
-        if len(hyps) >= K:
-            continue
-        tokens = history[row, 1:].tolist() + [EOS]
-        token_scores = step_scores[row].tolist() + [float(logprobs[row, EOS])]
-        hyps.append(Hypothesis(tokens, total / float(length_penalty(len(tokens), alpha)), token_scores))
+        if len(hyps) < K:
+            token_scores = step_scores[row].tolist() + [float(logprobs[row, EOS])]
+            hyps.append(make_hypothesis(history[row, 1:].tolist() + [EOS], token_scores, alpha))
+
+
+SearchFn = Callable[..., list[list[Hypothesis]]]
 
 
 def search(
     model: IncrementalModel, src: Tensor, src_pad_mask: Tensor, cfg: DecodeConfig, limit: int,
     strategy: str | None = None,
 ) -> list[list[Hypothesis]]:  # fmt: skip
-    """Dispatch on `strategy` (default: `cfg.strategy`)."""
+    """Hypotheses for each sentence of src (B, S), best first; `strategy` defaults to cfg.strategy.
+
+    `limit` caps the tokens before EOS (the model's positions minus one).
+    """
     strategy = strategy or cfg.strategy
     if strategy == "beam":
         return beam_search(model, src, src_pad_mask, cfg, limit)
-    pick = pick_greedy if strategy == "greedy" else make_sampler(cfg, src.device)
-    return sequential_search(model, src, src_pad_mask, cfg, pick, limit)
+    if strategy == "greedy":
+        return sequential_search(model, src, src_pad_mask, cfg, pick_greedy, limit)
+    if strategy == "sample":
+        pick = make_sampler(cfg, src, src_pad_mask, min(cfg.max_len, limit) + 1)
+        return sequential_search(model, src, src_pad_mask, cfg, pick, limit)
+    raise ValueError(f"unknown decoding strategy {strategy!r}: use beam, greedy or sample")
+
+
+# The no-cache reference and benchmark baseline.
+
+
+class PrefixState:
+    """What an uncached decoder carries between steps: the encoder output and the whole prefix."""
+
+    def __init__(self, memory: Tensor, src_pad_mask: Tensor) -> None:
+        self.memory = memory  # (N, S, D)
+        self.memory_mask = attention_mask(src_pad_mask)  # (N, 1, 1, S)
+        self.tokens = torch.zeros(memory.shape[0], 0, dtype=torch.long, device=memory.device)  # (N, t)
+
+    def reorder(self, index: Tensor) -> None:
+        self.tokens = self.tokens.index_select(0, index)
+
+    def select(self, index: Tensor) -> None:
+        self.reorder(index)
+        self.memory = self.memory.index_select(0, index)
+        self.memory_mask = self.memory_mask.index_select(0, index)
+
+
+class UncachedModel:
+    """The incremental API without a key/value cache: each step reruns the decoder over the whole prefix.
+
+    A reference for testing the cache (same tokens) and the baseline of
+    scripts/bench_decode.py. The encoder still runs once per batch; only the
+    last position is projected to the vocabulary, so the baseline pays just
+    for the recomputed decoder layers.
+    """
+
+    def __init__(self, model: Seq2SeqTransformer) -> None:
+        self.model = model
+
+    def encode(self, src: Tensor, src_pad_mask: Tensor) -> Tensor:
+        return self.model.encode(src, src_pad_mask)
+
+    def init_cache(self, memory: Tensor, src_pad_mask: Tensor) -> PrefixState:
+        return PrefixState(memory, src_pad_mask)
+
+    def decode_step(self, tokens: Tensor, state: PrefixState) -> Tensor:
+        state.tokens = torch.cat([state.tokens, tokens], dim=1)  # (N, t)
+        decoder = self.model.decoder
+        x = decoder.embedding(state.tokens)  # (N, t, D)
+        for layer in decoder.layers:
+            x = layer(x, state.memory, state.memory_mask)
+        return decoder.output(decoder.final_norm(x[:, -1]))  # (N, V)
+
+
+def uncached_search(
+    model: Seq2SeqTransformer, src: Tensor, src_pad_mask: Tensor, cfg: DecodeConfig, limit: int,
+    strategy: str | None = None,
+) -> list[list[Hypothesis]]:  # fmt: skip
+    """`search` without the key/value cache (reference and baseline only: quadratic in the length)."""
+    return search(UncachedModel(model), src, src_pad_mask, cfg, limit, strategy)

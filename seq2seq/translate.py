@@ -1,7 +1,10 @@
 """Text in, text out: the one path used by `seq2seq translate`, `evaluate` and validation BLEU.
 
-Sentences are sorted by length, grouped into batches by a token budget,
-searched, detokenized and put back in input order.
+Sentences are sorted by length, grouped into batches by a token budget
+(decode.max_tokens source tokens), searched, detokenized and put back in input
+order. Search is batch-invariant, so the grouping changes speed, not output.
+Inputs longer than decode.max_input_len (or the model's positions) are
+truncated with a warning; empty lines translate to empty lines.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from seq2seq.checkpoint import load_checkpoint
 from seq2seq.config import DecodeConfig, ExperimentConfig
 from seq2seq.data import make_batches, pad
 from seq2seq.model import Seq2SeqTransformer
-from seq2seq.search import Hypothesis, search
+from seq2seq.search import Hypothesis, SearchFn, search
 from seq2seq.tokenizer import EOS, PAD, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -44,13 +47,14 @@ class Translator:
 
     def __init__(
         self, model: Seq2SeqTransformer, tokenizer: Tokenizer, decode: DecodeConfig, device: str | torch.device = "cpu",
-        config: ExperimentConfig | None = None,
+        config: ExperimentConfig | None = None, search_fn: SearchFn = search,
     ) -> None:  # fmt: skip
         self.config = config  # the experiment the model came from, when loaded from a checkpoint
         self.model = model
         self.tokenizer = tokenizer
         self.decode = decode
         self.device = torch.device(device)
+        self.search_fn = search_fn  # scripts/bench_decode.py swaps in search.uncached_search
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, device: str | torch.device = "cpu", **decode: object) -> Translator:
@@ -62,9 +66,12 @@ class Translator:
         """Best translation of each line."""
         return [t.text for t in self.translate_full(lines, strategy)]
 
-    def translate_full(self, lines: Sequence[str], strategy: str | None = None) -> list[Translation]:
-        """Translations with n-best hypotheses, scores and token log-probabilities, in input order."""
-        ids = self._encode(lines)
+    def translate_full(self, lines: Sequence[str], strategy: str | None = None, first_line: int = 1) -> list[Translation]:
+        """Translations with n-best hypotheses, scores and token log-probabilities, in input order.
+
+        `first_line` numbers the lines in warnings (for input read in chunks).
+        """
+        ids = self._encode(lines, first_line)
         results: list[list[Hypothesis]] = [[] for _ in lines]
         todo = [i for i, seq in enumerate(ids) if len(seq) > 1]  # empty lines translate to ""
         was_training = self.model.training
@@ -73,7 +80,7 @@ class Translator:
             for batch in make_batches([len(ids[i]) for i in todo], self.decode.max_tokens):
                 indices = [todo[j] for j in batch]
                 src = pad([ids[i] for i in indices]).to(self.device)
-                hyps = search(self.model, src, src == PAD, self.decode, self.model.max_positions - 1, strategy)
+                hyps = self.search_fn(self.model, src, src == PAD, self.decode, self.model.max_positions - 1, strategy)
                 for i, h in zip(indices, hyps):
                     results[i] = h
         finally:
@@ -83,13 +90,13 @@ class Translator:
             for line, hyps in zip(lines, results)
         ]
 
-    def _encode(self, lines: Sequence[str]) -> list[list[int]]:
-        limit = self.decode.max_input_len or self.model.max_positions - 1
-        limit = min(limit, self.model.max_positions - 1)
+    def _encode(self, lines: Sequence[str], first_line: int = 1) -> list[list[int]]:
+        """Subword ids + EOS, truncated to fit decode.max_input_len and the model's positions."""
+        limit = min(self.decode.max_input_len or self.model.max_positions, self.model.max_positions)
         encoded = []
-        for number, seq in enumerate(self.tokenizer.encode_src([line.strip() for line in lines]), start=1):
+        for number, seq in enumerate(self.tokenizer.encode_src([line.strip() for line in lines]), start=first_line):
             if len(seq) + 1 > limit:
-                log.warning("input line %d has %d subwords; truncated to %d", number, len(seq), limit - 1)
+                log.warning("input line %d has %d subwords; truncated to the first %d", number, len(seq), limit - 1)
                 seq = seq[: limit - 1]
             encoded.append(seq + [EOS])
         return encoded
