@@ -144,17 +144,27 @@ def _translator(args: argparse.Namespace) -> Translator:
 
 
 def _translate(args: argparse.Namespace) -> int:
+    """Stream lines through the translator: in chunks of 2000 (sorted into batches), or one by one."""
     translator = _translator(args)
+    for stream in (sys.stdin, sys.stdout):  # text is UTF-8 whatever the locale says
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(encoding="utf-8")
     source = open(args.input, encoding="utf-8") if args.input else sys.stdin
     sink = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
     interactive = args.interactive or (not args.input and sys.stdin.isatty())
+    if not args.input and sys.stdin.isatty():
+        log.info("translating each line typed on stdin; end with Ctrl-D")
+    done = 0
     try:
         for chunk in _chunks(source, 1 if interactive else 2000):
-            for result in translator.translate_full(chunk):
+            for result in translator.translate_full(chunk, first_line=done + 1):
                 sink.write(_format(result, args.format) + "\n")
             sink.flush()
+            done += len(chunk)
     except UnicodeDecodeError:
-        raise DataError(f"{args.input or 'stdin'}: invalid UTF-8 input") from None
+        raise DataError(f"{args.input or 'stdin'}: invalid UTF-8 input after line {done}") from None
+    except KeyboardInterrupt:
+        return 130
     finally:
         if args.input:
             source.close()
@@ -197,6 +207,8 @@ def _evaluate(args: argparse.Namespace) -> int:
 
     if not args.checkpoint and not args.hypotheses:
         raise ConfigError("evaluate needs --checkpoint or --hypotheses")
+    if args.checkpoint and args.hypotheses:
+        raise ConfigError("evaluate takes --checkpoint or --hypotheses, not both")
     if args.hypotheses:
         if not args.ref:
             raise ConfigError("evaluate --hypotheses needs --ref")
@@ -213,7 +225,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     if args.lowercase:
         scores.append(metrics.bleu(hyps, refs, lowercase=True))
     if args.tok_ref:
-        lang = translator.config.data.tgt_lang if args.checkpoint else Path(args.tok_ref).suffix.lstrip(".")
+        lang = translator.config.data.tgt_lang if not args.hypotheses else Path(args.tok_ref).suffix.lstrip(".")
         scores.append(metrics.tokenized_bleu(hyps, read_lines(args.tok_ref), lang))
     for score in scores:
         print(score)

@@ -1,0 +1,180 @@
+"""Text in, text out with the trained tiny model: batching, order, odd inputs, the CLI's formats and evaluate."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, reversal_pairs
+
+from seq2seq.cli import main
+from seq2seq.search import length_penalty
+from seq2seq.translate import Translation, Translator
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """A tiny model gains nothing from a second thread, and stalls badly on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(trained_run: Path) -> Path:
+    return trained_run / "checkpoint_best.pt"
+
+
+@pytest.fixture(scope="module")
+def translator(checkpoint: Path) -> Translator:
+    return Translator.from_checkpoint(checkpoint, nbest=2)
+
+
+LINES, REFERENCES = reversal_pairs(10, seed=7)
+LINES += ["cat", " ".join(["red", "dog", "sun", "tree"] * 5)]  # one word; 20 words, longer than any training sentence
+
+
+def outputs(translations: list[Translation]) -> list[list[list[int]]]:
+    return [[h.tokens for h in t.hypotheses] for t in translations]
+
+
+@pytest.mark.parametrize("strategy", ["beam", "greedy", "sample"])
+def test_translations_do_not_depend_on_the_batch(translator: Translator, strategy: str) -> None:
+    """Each sentence alone, then all together under several token budgets (batch sizes 1 to all)."""
+    alone = [translator.translate_full([line], strategy)[0] for line in LINES]
+    budget = translator.decode.max_tokens
+    try:
+        for max_tokens in (8, 40, 6000):
+            translator.decode.max_tokens = max_tokens
+            mixed = translator.translate_full(LINES, strategy)
+            assert outputs(mixed) == outputs(alone)
+            for a, m in zip(alone, mixed):
+                assert [h.score for h in m.hypotheses] == pytest.approx([h.score for h in a.hypotheses], abs=1e-4)
+    finally:
+        translator.decode.max_tokens = budget
+
+
+def test_output_follows_input_order(translator: Translator) -> None:
+    forward = translator.translate(LINES[:10])
+    assert sum(h == r for h, r in zip(forward, REFERENCES)) >= 8  # the model reverses words: order is visible
+    assert translator.translate(LINES[:10][::-1]) == forward[::-1]
+
+
+def test_empty_lines_translate_to_empty_lines(translator: Translator) -> None:
+    out = translator.translate_full(["", "red cat", "   ", "sun moon"])
+    assert [t.text for t in out] == ["", "cat red", "", "moon sun"]
+    assert out[0].hypotheses == [] and out[2].hypotheses == []
+    assert translator.translate([]) == []
+
+
+def test_long_input_is_truncated_with_a_warning(translator: Translator, caplog: pytest.LogCaptureFixture) -> None:
+    long_line = " ".join(["green", "bird"] * 200)  # far beyond model.max_positions = 128
+    with caplog.at_level(logging.WARNING, logger="seq2seq"):
+        out = translator.translate(["red cat", long_line], strategy="greedy")
+    assert out[0] == "cat red" and out[1]
+    assert "input line 2 has" in caplog.text and "truncated" in caplog.text
+    caplog.clear()
+    short = Translator(translator.model, translator.tokenizer, replace(translator.decode, max_input_len=4))
+    with caplog.at_level(logging.WARNING, logger="seq2seq"):
+        out = short.translate(["red cat", "red cat dog sun moon"], strategy="greedy")
+    assert out == ["cat red", "dog cat red"]  # 3 subwords + EOS: the start of the line is kept
+    assert "input line 2 has 5 subwords; truncated to the first 3" in caplog.text
+
+
+# The command line.
+
+
+def test_cli_jsonl_has_nbest_scores_and_token_logprobs(checkpoint: Path, tmp_path: Path) -> None:
+    (tmp_path / "in.txt").write_text("red cat dog\n\nsun moon\n", encoding="utf-8")
+    code = main(["translate", "-c", str(checkpoint), "-i", str(tmp_path / "in.txt"), "-o", str(tmp_path / "out.jsonl"),
+                 "--format", "jsonl", "decode.beam_size=3", "decode.nbest=3"])  # fmt: skip
+    assert code == 0
+    records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert [r["source"] for r in records] == ["red cat dog", "", "sun moon"]
+    assert records[0]["translation"] == "dog cat red" and records[2]["translation"] == "moon sun"
+    assert records[1] == {"source": "", "translation": "", "score": None, "nbest": []}
+    for record in (records[0], records[2]):
+        nbest = record["nbest"]
+        assert len(nbest) == 3 and len({tuple(h["tokens"]) for h in nbest}) == 3
+        assert [h["score"] for h in nbest] == sorted((h["score"] for h in nbest), reverse=True)
+        assert record["score"] == nbest[0]["score"] and record["translation"] == nbest[0]["translation"]
+        for h in nbest:
+            assert len(h["token_logprobs"]) == len(h["tokens"]) and all(lp <= 0 for lp in h["token_logprobs"])
+            assert h["score"] == pytest.approx(sum(h["token_logprobs"]) / length_penalty(len(h["tokens"]), 1.0))
+
+
+def test_cli_text_output_matches_the_library(checkpoint: Path, translator: Translator, tmp_path: Path) -> None:
+    (tmp_path / "in.txt").write_text("".join(line + "\n" for line in LINES), encoding="utf-8")
+    code = main(["translate", "-c", str(checkpoint), "-i", str(tmp_path / "in.txt"), "-o", str(tmp_path / "out.txt")])
+    assert code == 0
+    assert (tmp_path / "out.txt").read_text(encoding="utf-8").splitlines() == translator.translate(LINES)
+
+
+def test_interactive_translates_each_line_as_it_arrives(checkpoint: Path, tmp_path: Path) -> None:
+    """Write one line, read its translation, then write the next: stdin is a stream, not a file."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    with open(tmp_path / "stderr.txt", "w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "seq2seq", "translate", "-c", str(checkpoint), "--interactive", "decode.strategy=greedy"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True, encoding="utf-8", env=env,
+        )  # fmt: skip
+        assert proc.stdin is not None and proc.stdout is not None
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+        try:
+            for source, expected in [("red cat", "cat red"), ("", ""), ("sun moon tree", "tree moon sun")]:
+                proc.stdin.write(source + "\n")
+                proc.stdin.flush()
+                try:
+                    assert lines.get(timeout=120).rstrip("\n") == expected
+                except queue.Empty:
+                    pytest.fail(f"no translation of {source!r} while stdin stays open: {(tmp_path / 'stderr.txt').read_text()}")
+            proc.stdin.close()
+            assert proc.wait(timeout=60) == 0
+        finally:
+            proc.kill()
+
+
+def test_evaluate_scores_a_hypothesis_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    refs = ["A dog runs through the snow.", "Two men are playing chess in a park.", "A girl in a red coat."]
+    (tmp_path / "ref.en").write_text("\n".join(refs) + "\n", encoding="utf-8")
+    (tmp_path / "hyp.en").write_text("\n".join(r.lower() for r in refs) + "\n", encoding="utf-8")
+    assert main(["evaluate", "--hypotheses", str(tmp_path / "hyp.en"), "--ref", str(tmp_path / "ref.en"), "--lowercase"]) == 0
+    report = {line.split(" = ")[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert set(report) == {"BLEU", "chrF", "TER", "BLEU (lowercase)"}
+    assert "nrefs:1|case:mixed" in report["BLEU"] and "case:lc" in report["BLEU (lowercase)"]
+    assert "BLEU (lowercase) = 100.00" in report["BLEU (lowercase)"] and "BLEU = 100.00" not in report["BLEU"]
+    assert "nrefs:1" in report["chrF"] and "nrefs:1" in report["TER"]  # each score prints its signature
+
+
+def test_evaluate_refuses_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "two.txt").write_text("a\nb\n", encoding="utf-8")
+    (tmp_path / "three.txt").write_text("a\nb\nc\n", encoding="utf-8")
+    assert main(["evaluate", "--hypotheses", str(tmp_path / "two.txt"), "--ref", str(tmp_path / "three.txt")]) == 1
+    assert "2 hypotheses but 3 references" in capsys.readouterr().err
+    assert main(["evaluate", "--hypotheses", str(tmp_path / "two.txt")]) == 2
+    assert main(["evaluate"]) == 2
+    both = ["evaluate", "-c", "x.pt", "--hypotheses", str(tmp_path / "two.txt"), "--ref", str(tmp_path / "two.txt")]
+    assert main(both) == 2 and "not both" in capsys.readouterr().err
+
+
+def test_evaluate_a_checkpoint(
+    checkpoint: Path, corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    save = tmp_path / "test.hyp"
+    test_set = ["--src", str(corpus / "test.src"), "--ref", str(corpus / "test.tgt")]
+    assert main(["evaluate", "-c", str(checkpoint), *test_set, "--save", str(save), "decode.strategy=greedy"]) == 0
+    bleu = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("BLEU = "))
+    assert float(bleu.split()[2]) > 80
+    assert len(save.read_text(encoding="utf-8").splitlines()) == 100
