@@ -27,6 +27,8 @@ from seq2seq.model import Seq2SeqTransformer, build_model
 from seq2seq.tokenizer import Tokenizer
 
 FORMAT = "seq2seq-checkpoint-1"
+LAST, BEST = "checkpoint_last.pt", "checkpoint_best.pt"
+_TMP_SUFFIX = ".tmp"
 
 
 class CheckpointError(UserError):
@@ -42,10 +44,16 @@ class Loaded:
 
 
 def atomic_save(obj: Any, path: str | Path) -> None:
-    """torch.save to a temporary file in the same directory, fsync, then rename over `path`."""
+    """torch.save to a hidden temporary file in the same directory, fsync, then rename over `path`.
+
+    The rename is atomic, so `path` always holds a complete file, old or new,
+    whenever the process dies (kill -9 included). The directory is fsynced too,
+    so the rename itself survives a power cut. A killed save leaves only a
+    hidden `.{name}.*.tmp` file, which `remove_stale_temporaries` cleans up.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=_TMP_SUFFIX)
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
@@ -55,6 +63,45 @@ def atomic_save(obj: Any, path: str | Path) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    _fsync_directory(path.parent)
+
+
+def _fsync_directory(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # e.g. platforms that cannot open directories
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def remove_stale_temporaries(directory: str | Path) -> list[Path]:
+    """Delete the temporary files of saves that were killed midway; returns what was removed."""
+    stale = sorted(Path(directory).glob(f".checkpoint*{_TMP_SUFFIX}"))
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
+
+
+def step_checkpoints(run_dir: str | Path) -> list[Path]:
+    """A run's `checkpoint_step{N}.pt` files, oldest first."""
+    paths = [p for p in Path(run_dir).glob("checkpoint_step*.pt") if p.stem.removeprefix("checkpoint_step").isdigit()]
+    return sorted(paths, key=lambda p: int(p.stem.removeprefix("checkpoint_step")))
+
+
+def step_checkpoint_path(run_dir: str | Path, step: int) -> Path:
+    return Path(run_dir) / f"checkpoint_step{step}.pt"
+
+
+def prune_step_checkpoints(run_dir: str | Path, keep: int) -> None:
+    """Delete all but the `keep` newest step checkpoints."""
+    paths = step_checkpoints(run_dir)
+    for old in paths[: max(len(paths) - keep, 0)]:
+        old.unlink(missing_ok=True)
 
 
 def save_checkpoint(
@@ -108,7 +155,11 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> Loa
 
 
 def average_checkpoints(paths: Sequence[str | Path], output: str | Path) -> None:
-    """Average the weights of several checkpoints of one run (config/tokenizer from the last)."""
+    """Average the weights of several checkpoints of one run (config/tokenizer from the last).
+
+    Sums are taken in float64, so the result does not depend on the order of
+    the files; integer buffers, if any, are taken from the last checkpoint.
+    """
     if not paths:
         raise CheckpointError("no checkpoints to average")
     total: dict[str, torch.Tensor] = {}
@@ -122,5 +173,9 @@ def average_checkpoints(paths: Sequence[str | Path], output: str | Path) -> None
             if name in total and total[name].shape != tensor.shape:
                 raise CheckpointError(f"{path}: {name} has shape {tuple(tensor.shape)}, not {tuple(total[name].shape)}")
             total[name] = total[name] + tensor.double() if name in total else tensor.double().clone()
-    averaged = {name: (t / len(paths)).to(last["model"][name].dtype) for name, t in total.items()}
+    final = last["model"]
+    averaged = {
+        name: (t / len(paths)).to(final[name].dtype) if final[name].is_floating_point() else final[name]
+        for name, t in total.items()
+    }
     atomic_save({**last, "model": averaged, "train_state": None, "averaged_from": [str(p) for p in paths]}, output)

@@ -125,7 +125,11 @@ def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     from seq2seq.training.trainer import train
 
-    train(cfg)
+    try:
+        train(cfg)
+    except KeyboardInterrupt:  # before training started, or a second Ctrl-C
+        print("seq2seq: interrupted; checkpoint_last.pt (if any) holds the last saved state", file=sys.stderr)
+        return 130
     return 0
 
 
@@ -242,14 +246,17 @@ def _test_set(cfg: ExperimentConfig, src: str | None, ref: str | None) -> tuple[
 
 
 def _average(args: argparse.Namespace) -> int:
-    from seq2seq.checkpoint import average_checkpoints
-    from seq2seq.training.trainer import step_checkpoints
+    from seq2seq.checkpoint import average_checkpoints, step_checkpoints
 
+    if args.last < 1:
+        raise ConfigError("average --last must be at least 1")
     paths = [Path(p) for p in args.checkpoints]
     if args.run_dir:
+        if not Path(args.run_dir).is_dir():
+            raise UserError(f"run directory not found: {args.run_dir}")
         paths += step_checkpoints(args.run_dir)[-args.last :]
     if not paths:
-        raise UserError("nothing to average: give checkpoints or --run-dir")
+        raise UserError("nothing to average: give checkpoints, or --run-dir with checkpoint_step*.pt files")
     average_checkpoints(paths, args.output)
-    log.info("averaged %d checkpoints into %s", len(paths), args.output)
+    log.info("averaged %d checkpoints (%s) into %s", len(paths), ", ".join(p.name for p in paths), args.output)
     return 0

@@ -44,6 +44,6 @@ def sum_all(values: list[float], device: torch.device) -> list[float]:
     return tensor.tolist()
 
 
-def broadcast_flag(flag: bool, device: torch.device) -> bool:
-    """True on every rank if it is True on any rank (e.g. a stop signal)."""
-    return sum_all([float(flag)], device)[0] > 0
+def any_all(flags: list[bool], device: torch.device) -> list[bool]:
+    """Each flag True on every rank if it is True on any rank (a stop signal, a time limit)."""
+    return [total > 0 for total in sum_all([float(f) for f in flags], device)]

@@ -3,18 +3,25 @@
 A run directory holds everything: `config.yaml`, the SentencePiece model,
 `train.log`, TensorBoard events under `tb/`, and checkpoints. Pointing
 `train` at a run directory that has `checkpoint_last.pt` continues that run
-exactly: model, optimizer, schedule position, epoch, position within the
-epoch, RNG state, best score and early-stopping count all come back.
+exactly: weights, optimizer, schedule position, epoch, position within the
+epoch, best score and early-stopping count all come back.
+
+Exactness rests on two pure functions rather than on saved generator states:
+the batches of an epoch depend only on (seed, epoch, rank), and the dropout
+RNG is re-seeded before every forward pass from (seed, step, micro-batch),
+as fairseq does. A resumed run therefore draws the same masks as an
+uninterrupted one, and two DDP ranks draw what one process accumulating
+their two batches would (see `micro_batch_seed`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import signal
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,64 +29,49 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from seq2seq import metrics
-from seq2seq.checkpoint import average_checkpoints, read_checkpoint, save_checkpoint
-from seq2seq.config import ExperimentConfig, UserError, save_config
+from seq2seq.checkpoint import (BEST, LAST, average_checkpoints, prune_step_checkpoints, read_checkpoint,
+                                remove_stale_temporaries, save_checkpoint, step_checkpoint_path,
+                                step_checkpoints)  # fmt: skip
+from seq2seq.config import ExperimentConfig, save_config, to_dict
 from seq2seq.data import Batch, EncodedCorpus, collate, encode_corpus, make_batches, read_parallel
-from seq2seq.model import Seq2SeqTransformer, build_model
+from seq2seq.model import build_model
 from seq2seq.tokenizer import Tokenizer, train_tokenizer
 from seq2seq.training import distributed as dist
-from seq2seq.training.loss import label_smoothed_loss
+from seq2seq.training import monitor
+from seq2seq.training.device import TrainingError, autocast, resolve_device, resolve_precision
+from seq2seq.training.loss import batch_loss
 from seq2seq.training.optim import build_optimizer, lr_at
 from seq2seq.translate import Translator
 
+__all__ = ["TrainState", "Trainer", "TrainingError", "resolve_device", "step_checkpoints", "train"]
+
 log = logging.getLogger("seq2seq.train")
 
-LAST, BEST = "checkpoint_last.pt", "checkpoint_best.pt"
 
-
-class TrainingError(UserError):
-    """A training run cannot go on; described in one line for the user."""
-
-
-@dataclass
+@dataclasses.dataclass
 class TrainState:
-    step: int = 0  # optimizer updates done
+    """Everything about a run's progress that is not a tensor; saved in checkpoint_last."""
+
+    step: int = 0  # optimizer updates applied
     epoch: int = 1  # the epoch in progress (1-based)
     batch_in_epoch: int = 0  # batches of this epoch already consumed (per rank)
-    best: float | None = None  # best validation score by train.best_metric
+    best: float | None = None  # best validation score so far
+    best_metric: str = ""  # what `best` measures: bleu or loss
     bad_validations: int = 0  # validations since the best one
-    elapsed: float = 0.0  # training seconds spent before this process started
     validated_step: int = -1  # step of the last validation
+    elapsed: float = 0.0  # training seconds of the processes before this one
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise TrainingError("train.device=cuda but CUDA is not available on this machine")
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_precision(precision: str, device: torch.device) -> str:
-    """`auto`: bf16 on GPUs that support it, else fp16; fp32 on CPU (see scripts/bench_train.py)."""
-    if precision == "fp16" and device.type != "cuda":
-        raise TrainingError("train.precision=fp16 needs CUDA; use bf16 or fp32 on CPU")
-    if precision != "auto":
-        return precision
-    if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    return "fp32"
-
-
-def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager[Any]:
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return torch.autocast(device.type, dtype=dtype)
+def micro_batch_seed(seed: int, step: int, index: int) -> int:
+    """Seed of the dropout RNG for micro-batch `index` (global over ranks) of update `step`."""
+    return ((seed * 1_000_003 + step) * 10_007 + index) % (2**63)
 
 
 class StopSignal:
-    """Turns SIGINT/SIGTERM into a flag checked between updates, so a checkpoint can be saved."""
+    """Turns the first SIGINT/SIGTERM into a flag checked between updates, so a checkpoint can be saved.
+
+    A second signal raises KeyboardInterrupt at once, for a user who does not want to wait.
+    """
 
     def __init__(self) -> None:
         self.received: str | None = None
@@ -95,53 +87,71 @@ class StopSignal:
             signal.signal(sig, handler)
 
     def _handle(self, signum: int, frame: object) -> None:
+        if self.received is not None:
+            raise KeyboardInterrupt
         self.received = signal.Signals(signum).name
+        log.warning("%s received: stopping after this update (again to quit without saving)", self.received)
 
 
 class Trainer:
-    """Trains the model an `ExperimentConfig` describes; `fit()` runs to the end."""
+    """Trains the model an `ExperimentConfig` describes; `fit()` runs to the end.
 
-    def __init__(self, cfg: ExperimentConfig) -> None:
+    `tokenizer` skips training one (a resumed run always uses its checkpoint's).
+    """
+
+    def __init__(self, cfg: ExperimentConfig, tokenizer: Tokenizer | None = None) -> None:
+        t = cfg.train
         self.cfg = cfg
-        self.run_dir = Path(cfg.train.run_dir)
-        self.device = resolve_device(cfg.train.device)
-        self.precision = resolve_precision(cfg.train.precision, self.device)
-        if cfg.train.threads:
-            torch.set_num_threads(cfg.train.threads)
+        self.run_dir = Path(t.run_dir)
+        self.device = resolve_device(t.device)
+        self.precision = resolve_precision(t.precision, self.device)
+        if t.threads:
+            torch.set_num_threads(t.threads)
         dist.setup(self.device)
         self.main = dist.is_main()
-        self.state = TrainState()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        if self.main:
-            _log_to_file(self.run_dir / "train.log")
+        self._log_file = self._prepare_run_dir()
         resume = read_checkpoint(self.run_dir / LAST) if (self.run_dir / LAST).exists() else None
-        self.tokenizer = self._tokenizer(resume)
+        self.tokenizer = Tokenizer.from_state(resume["tokenizer"]) if resume else tokenizer or self._train_tokenizer()
         self.train_data, self.valid_data, self.valid_text = self._load_data()
-        torch.manual_seed(cfg.train.seed + 1000 * dist.rank())
-        if cfg.train.deterministic:
+        torch.manual_seed(t.seed)  # the same initial weights on every rank
+        if t.deterministic:
             torch.use_deterministic_algorithms(True)
         self.model = build_model(cfg.model, self.tokenizer.src_vocab_size, self.tokenizer.tgt_vocab_size)
         self.model.to(self.device)
-        self.optimizer = build_optimizer(self.model, cfg.train)
-        self.updates_per_epoch = math.ceil(len(self._epoch_batches(1)) / cfg.train.update_freq)
-        self._bad_steps = 0
+        self.optimizer = build_optimizer(self.model, t)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
+        self.state = TrainState()
+        self.updates_per_epoch = math.ceil(len(self._epoch_batches(1)) / t.update_freq)
+        self._bad_steps = 0
         if resume is not None:
             self._restore(resume)
-        self.ddp = DistributedDataParallel(self.model) if dist.world_size() > 1 else None
+        self.ddp = self._wrap_ddp()
         if self.main:
             save_config(cfg, self.run_dir / "config.yaml")
             self.tokenizer.save(self.run_dir)
-        self.writer = self._tensorboard()
+        self.writer = monitor.tensorboard(self.run_dir / "tb", self.state.step) if self.main else None
+        self.meter = monitor.Meter()
+        self.stop = StopSignal()
+        self.start_time = time.monotonic()
         n_params = sum(p.numel() for p in self.model.parameters())
         log.info("model: %.2fM parameters; device %s, %s, %d process(es)", n_params / 1e6, self.device,
                  self.precision, dist.world_size())  # fmt: skip
 
     # Set-up.
 
-    def _tokenizer(self, resume: dict[str, Any] | None) -> Tokenizer:
-        if resume is not None:
-            return Tokenizer.from_state(resume["tokenizer"])
+    def _prepare_run_dir(self) -> logging.Handler | None:
+        """Create the run directory and the log file; quiet the other ranks' console logs."""
+        if not self.main:
+            logging.getLogger("seq2seq").setLevel(logging.WARNING)
+            return None
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        handler = monitor.attach_log_file(self.run_dir / "train.log")
+        for path in remove_stale_temporaries(self.run_dir):
+            log.info("removed %s, left by a save that was interrupted", path.name)
+        return handler
+
+    def _train_tokenizer(self) -> Tokenizer:
+        """Train SentencePiece on rank 0 and share it with the other ranks."""
         proto: list[Any] = [None]
         if self.main:
             d = self.cfg.data
@@ -158,16 +168,16 @@ class Trainer:
         train_src, train_tgt = read_parallel(d.dir, d.train, d.src_lang, d.tgt_lang)
         valid_src, valid_tgt = read_parallel(d.dir, d.valid, d.src_lang, d.tgt_lang)
         train = encode_corpus(self.tokenizer, train_src, train_tgt, d.max_len, f"{d.dir}/{d.train}")
-        valid = encode_corpus(self.tokenizer, valid_src, valid_tgt, self.cfg.model.max_positions - 1, f"{d.dir}/{d.valid}")
+        valid_len = self.cfg.model.max_positions - 1
+        valid = encode_corpus(self.tokenizer, valid_src, valid_tgt, valid_len, f"{d.dir}/{d.valid}")
         log.info("data: %d training pairs, %d validation pairs", len(train), len(valid))
         return train, valid, (valid_src, valid_tgt)
 
-    def _tensorboard(self) -> Any:
-        if not self.main:
+    def _wrap_ddp(self) -> DistributedDataParallel | None:
+        if dist.world_size() == 1:
             return None
-        from torch.utils.tensorboard import SummaryWriter
-
-        return SummaryWriter(str(self.run_dir / "tb"), purge_step=self.state.step + 1 if self.state.step else None)
+        device_ids = [self.device.index if self.device.index is not None else torch.cuda.current_device()]
+        return DistributedDataParallel(self.model, device_ids=device_ids if self.device.type == "cuda" else None)
 
     def _restore(self, data: dict[str, Any]) -> None:
         state = data.get("train_state")
@@ -180,63 +190,82 @@ class Trainer:
                                 f"({str(e).splitlines()[0]})") from None  # fmt: skip
         self.optimizer.load_state_dict(state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
-        self.state = TrainState(**state["progress"])
-        if dist.is_main():
-            torch.set_rng_state(state["rng_cpu"])
-            if self.device.type == "cuda" and state.get("rng_cuda") is not None:
-                torch.cuda.set_rng_state(state["rng_cuda"])
-        else:
-            torch.manual_seed(self.cfg.train.seed + 1000 * dist.rank() + self.state.step)
+        known = {f.name for f in dataclasses.fields(TrainState)}
+        self.state = TrainState(**{k: v for k, v in state["progress"].items() if k in known})
+        for change in _changes(data["config"], to_dict(self.cfg)):
+            log.info("config changed since the checkpoint: %s", change)
         log.info("resuming %s at step %d (epoch %d, batch %d)", self.run_dir, self.state.step, self.state.epoch,
                  self.state.batch_in_epoch)  # fmt: skip
 
     # The loop.
 
     def fit(self) -> TrainState:
+        """Train until a limit, early stopping or a signal; then validate and save (or just save)."""
         t = self.cfg.train
-        self.start_time = time.monotonic()
         try:
-            with StopSignal() as stop:
-                self.stop = stop
-                while self.state.epoch <= t.max_epochs and not self._should_stop():
-                    self._run_epoch()
-                if not self._interrupted() and self.state.validated_step != self.state.step:
-                    self._validate_and_save()
-                elif self._interrupted():
-                    self._save(validated=False)
-                    log.info("stopped by %s at step %d; run the same command to resume", stop.received,
-                             self.state.step)  # fmt: skip
-            if self.main and t.average_last > 0 and not self._interrupted():
+            with self.stop:
+                log.info("training from step %d (epoch %d)", self.state.step, self.state.epoch)
+                reason = self._should_stop()
+                while not reason and self.state.epoch <= t.max_epochs:
+                    reason = self._run_epoch()
+                self._finish(reason or "max_epochs")
+            if self.main and t.average_last > 0 and not self.stop.received:
                 self._average()
         finally:
-            if self.writer is not None:
-                self.writer.close()
-            dist.teardown()
+            self.close()
         return self.state
 
-    def _run_epoch(self) -> None:
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+        monitor.detach_log_file(self._log_file)
+        self._log_file = None
+        dist.teardown()
+
+    def _run_epoch(self) -> str:
+        """Train on the rest of the current epoch; returns why training must stop, or ''."""
         t, s = self.cfg.train, self.state
         batches = self._epoch_batches(s.epoch)
-        updates = [batches[i : i + t.update_freq] for i in range(0, len(batches), t.update_freq)]
-        done = s.batch_in_epoch // t.update_freq
-        bar = _progress(len(updates), done, s.epoch, enabled=self.main)
-        meter = _Meter()
-        for group in updates[done:]:
-            stats = self._update([collate(self.train_data, b) for b in group])
-            s.batch_in_epoch += len(group)
-            meter.add(stats)
-            bar.update(1)
-            if s.step % t.log_every == 0:
-                bar.set_postfix_str(meter.log(self.writer, s.step), refresh=False)
-            if t.valid_every and s.step % t.valid_every == 0:
-                self._validate_and_save()
-            if self._should_stop():
-                bar.close()
-                return
-        bar.close()
+        total, done = math.ceil(len(batches) / t.update_freq), math.ceil(s.batch_in_epoch / t.update_freq)
+        with monitor.progress(total, done, f"epoch {s.epoch}", enabled=self.main) as bar:
+            for start in range(s.batch_in_epoch, len(batches), t.update_freq):
+                group = batches[start : start + t.update_freq]
+                stats = self.train_step([collate(self.train_data, indices) for indices in group])
+                s.batch_in_epoch = start + len(group)
+                bar.update(1)
+                if stats is not None:
+                    self._after_step(stats, bar)
+                reason = self._should_stop()
+                if reason:
+                    return reason
         s.epoch, s.batch_in_epoch = s.epoch + 1, 0
-        if not t.valid_every:
+        if not t.valid_every and s.validated_step != s.step:
             self._validate_and_save()
+            self.meter.restart_clock()
+        return self._should_stop()
+
+    def _after_step(self, stats: dict[str, float], bar: Any) -> None:
+        """Log, validate or save on the steps the config asks for."""
+        t, step = self.cfg.train, self.state.step
+        self.meter.add(stats)
+        if step % t.log_every == 0:
+            bar.set_postfix_str(self.meter.log(self.writer, step), refresh=False)
+        if t.valid_every and step % t.valid_every == 0:
+            self._validate_and_save()
+            self.meter.restart_clock()
+        elif t.save_every and step % t.save_every == 0:
+            self._save()
+
+    def _finish(self, reason: str) -> None:
+        s = self.state
+        if reason == "signal":
+            self._save()
+            log.info("stopped by a signal at step %d; run the same command to resume", s.step)
+            return
+        if s.validated_step != s.step:
+            self._validate_and_save()
+        log.info("training finished at step %d, epoch %d (%s)", s.step, s.epoch, reason.replace("_", " "))
 
     def _epoch_batches(self, epoch: int) -> list[list[int]]:
         """This rank's batches of an epoch: a pure function of (seed, epoch, rank)."""
@@ -245,141 +274,173 @@ class Trainer:
         world = dist.world_size()
         return batches[: len(batches) // world * world][dist.rank() :: world]
 
-    def _update(self, batches: list[Batch]) -> dict[str, float]:
-        """One optimizer step over `update_freq` batches, normalised per target token of the whole update."""
-        self.state.step += 1
-        lr = lr_at(self.state.step, self.cfg.train.schedule, self.cfg.train.lr, self.cfg.train.warmup_steps,
+    def _should_stop(self) -> str:
+        """Why training must stop now ('' if it need not); every rank gets the same answer."""
+        t, s = self.cfg.train, self.state
+        signalled, out_of_time = dist.any_all(
+            [self.stop.received is not None, bool(t.max_minutes) and self._elapsed() >= 60 * t.max_minutes],
+            self.device,
+        )
+        if signalled:
+            return "signal"
+        if t.max_steps and s.step >= t.max_steps:
+            return "max_steps"
+        if out_of_time:
+            return "max_minutes"
+        if t.patience and s.bad_validations >= t.patience:
+            return "patience"
+        return ""
+
+    def _elapsed(self) -> float:
+        """Training seconds over all the processes of this run."""
+        return self.state.elapsed + time.monotonic() - self.start_time
+
+    # One update.
+
+    def train_step(self, batches: list[Batch]) -> dict[str, float] | None:
+        """One optimizer update over `batches` (update_freq of them); None if it was skipped as non-finite."""
+        step = self.state.step + 1
+        lr = lr_at(step, self.cfg.train.schedule, self.cfg.train.lr, self.cfg.train.warmup_steps,
                    self._total_steps(), self.cfg.model.d_model)  # fmt: skip
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        n_tokens = dist.sum_all([float(sum(b.n_tokens for b in batches))], self.device)[0]
-        scale = dist.world_size() / n_tokens  # DDP averages gradients over ranks; undo that
-        loss_sum = nll_sum = 0.0
-        model = self.ddp or self.model
-        for i, batch in enumerate(batches):
-            batch = batch.to(self.device)
-            sync = self.ddp is None or i == len(batches) - 1
-            with contextlib.nullcontext() if sync else self.ddp.no_sync(), autocast(self.precision, self.device):
-                logits = model(batch.src, batch.src_pad_mask, batch.tgt_in)
-                loss, nll = label_smoothed_loss(logits, batch.tgt_out, self.cfg.train.label_smoothing)
-            self.scaler.scale(loss * scale).backward()
-            loss_sum, nll_sum = loss_sum + loss.item(), nll_sum + nll.item()
-        grad_norm = self._step()
-        loss_sum, nll_sum = dist.sum_all([loss_sum, nll_sum], self.device)
-        return {"loss": loss_sum / n_tokens, "nll": nll_sum / n_tokens, "tokens": n_tokens, "lr": lr,
-                "grad_norm": grad_norm}  # fmt: skip
+        loss, nll, tokens = self.accumulate(batches, step)
+        grad_norm = self._apply_gradients(math.isfinite(loss))
+        if not math.isfinite(grad_norm):
+            self._skipped(step, loss)
+            return None
+        self._bad_steps = 0
+        self.state.step = step
+        return {"loss": loss / tokens, "nll": nll / tokens, "tokens": tokens, "lr": lr, "grad_norm": grad_norm}
 
-    def _step(self) -> float:
-        """Clip, check and apply the gradients; skip the update if they are not finite."""
+    def accumulate(self, batches: list[Batch], step: int) -> tuple[float, float, float]:
+        """Forward and backward over the micro-batches, leaving in `.grad` the gradient of the
+        summed loss divided by the target tokens of the whole update on all ranks.
+
+        Returns the summed (loss, nll) and the number of target tokens, over all ranks.
+        """
+        world, rank = dist.world_size(), dist.rank()
+        tokens = dist.sum_all([float(sum(b.n_tokens for b in batches))], self.device)[0]
+        scale = world / tokens  # DDP averages gradients over ranks; undo that
+        model = self.ddp or self.model
+        loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
+        nll_sum = torch.zeros_like(loss_sum)
+        for i, batch in enumerate(batches):
+            torch.manual_seed(micro_batch_seed(self.cfg.train.seed, step, i * world + rank))
+            last = i == len(batches) - 1
+            with contextlib.nullcontext() if self.ddp is None or last else self.ddp.no_sync():
+                with autocast(self.precision, self.device):
+                    loss, nll = batch_loss(model, batch.to(self.device), self.cfg.train.label_smoothing)
+                self.scaler.scale(loss * scale).backward()
+            loss_sum += loss.detach()
+            nll_sum += nll.detach()
+        loss_total, nll_total = dist.sum_all([loss_sum.item(), nll_sum.item()], self.device)
+        return loss_total, nll_total, tokens
+
+    def _apply_gradients(self, loss_finite: bool) -> float:
+        """Unscale, clip and apply the gradients; returns their norm, or nan if the update was skipped."""
         self.scaler.unscale_(self.optimizer)
         max_norm = self.cfg.train.clip_norm or math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
-        if math.isfinite(grad_norm):
+        applied = loss_finite and math.isfinite(grad_norm)
+        if applied:
             self.scaler.step(self.optimizer)
-            self._bad_steps = 0
-        else:
-            self._bad_steps += 1
-            log.warning("step %d: non-finite loss or gradients; update skipped", self.state.step)
-            if self._bad_steps >= self.cfg.train.max_bad_steps and self.precision != "fp16":
-                raise TrainingError(f"{self._bad_steps} consecutive non-finite updates at step {self.state.step}; "
-                                    "lower train.lr or check the data")  # fmt: skip
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm
+        return grad_norm if applied else math.nan
+
+    def _skipped(self, step: int, loss: float) -> None:
+        """Warn about a skipped update; give up when they keep coming."""
+        self._bad_steps += 1
+        what = "gradient overflow (fp16 loss scale lowered)" if self.precision == "fp16" else f"non-finite loss ({loss})"
+        log.warning("update %d skipped: %s or gradients, %d in a row", step, what, self._bad_steps)
+        if self._bad_steps >= self.cfg.train.max_bad_steps:
+            raise TrainingError(
+                f"training diverged: {self._bad_steps} updates in a row had a non-finite loss or gradients "
+                f"(at step {step}); lower train.lr, raise train.warmup_steps or clip with train.clip_norm"
+            )
 
     def _total_steps(self) -> int:
         """Length of the whole run in updates, for the cosine schedule."""
         t = self.cfg.train
         return t.max_steps or self.updates_per_epoch * t.max_epochs
 
-    def _elapsed_minutes(self) -> float:
-        return (self.state.elapsed + time.monotonic() - self.start_time) / 60
-
-    def _interrupted(self) -> bool:
-        return dist.broadcast_flag(self.stop.received is not None, self.device)
-
-    def _should_stop(self) -> bool:
-        t, s = self.cfg.train, self.state
-        if self._interrupted():
-            return True
-        if t.max_steps and s.step >= t.max_steps:
-            return True
-        if t.max_minutes and self._elapsed_minutes() >= t.max_minutes:
-            return True
-        return bool(t.patience) and s.bad_validations >= t.patience
-
     # Validation and checkpoints.
 
     def _validate_and_save(self) -> None:
-        scores = self.validate() if self.main else {}
-        improved = False
-        if self.main:
-            key = "bleu" if self.cfg.train.best_metric == "bleu" and self.cfg.train.valid_bleu else "loss"
-            value = scores[key]
-            better = self.state.best is None or (value > self.state.best if key == "bleu" else value < self.state.best)
-            if better:
-                self.state.best, self.state.bad_validations, improved = value, 0, True
-            else:
-                self.state.bad_validations += 1
-            log.info("step %d: valid %s (best %s %.3f)", self.state.step,
-                     ", ".join(f"{k} {v:.3f}" for k, v in scores.items()), key, self.state.best)  # fmt: skip
-        self.state.validated_step = self.state.step
-        self._sync_state()
-        self._save(validated=True, improved=improved)
+        improved = self._validate()
+        self._save(improved=improved, keep=True)
 
-    def _sync_state(self) -> None:
-        """Share rank 0's validation outcome so every rank makes the same stopping decision."""
+    def _validate(self) -> bool:
+        """Validate on rank 0, update the early-stopping state on every rank; True if this is the best yet."""
+        improved = self._record(self.validate()) if self.main else False
+        self.state.validated_step = self.state.step
         if dist.world_size() > 1:
-            values = [self.state.best, self.state.bad_validations]
-            torch.distributed.broadcast_object_list(values, src=0)
-            self.state.best, self.state.bad_validations = values
+            shared = [self.state.best, self.state.best_metric, self.state.bad_validations, improved]
+            torch.distributed.broadcast_object_list(shared, src=0)
+            self.state.best, self.state.best_metric, self.state.bad_validations, improved = shared
+        return improved
+
+    def _record(self, scores: dict[str, float]) -> bool:
+        """Compare with the best score so far by train.best_metric (loss if BLEU is off)."""
+        s = self.state
+        key = "bleu" if self.cfg.train.best_metric == "bleu" and "bleu" in scores else "loss"
+        value = scores[key]
+        if s.best_metric != key:  # a new run, or the metric changed on resume
+            s.best, s.best_metric = None, key
+        improved = s.best is None or (value > s.best if key == "bleu" else value < s.best)
+        if improved:
+            s.best, s.bad_validations = value, 0
+        else:
+            s.bad_validations += 1
+        log.info("step %d: valid %s (best %s %.3f%s)", s.step, ", ".join(f"{k} {v:.3f}" for k, v in scores.items()),
+                 key, s.best, f", {s.bad_validations} without improvement" if s.bad_validations else "")  # fmt: skip
+        return improved
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
+        """Validation loss, perplexity and (if train.valid_bleu) BLEU; written to TensorBoard."""
         self.model.eval()
         loss_sum = nll_sum = tokens = 0.0
         for indices in make_batches(self.valid_data.lengths(), self.cfg.train.max_tokens):
             batch = collate(self.valid_data, indices).to(self.device)
             with autocast(self.precision, self.device):
-                logits = self.model(batch.src, batch.src_pad_mask, batch.tgt_in)
-            loss, nll = label_smoothed_loss(logits, batch.tgt_out, self.cfg.train.label_smoothing)
+                loss, nll = batch_loss(self.model, batch, self.cfg.train.label_smoothing)
             loss_sum, nll_sum, tokens = loss_sum + loss.item(), nll_sum + nll.item(), tokens + batch.n_tokens
+        self.model.train()
         scores = {"loss": loss_sum / tokens, "nll": nll_sum / tokens, "ppl": math.exp(min(nll_sum / tokens, 50))}
         if self.cfg.train.valid_bleu:
             scores["bleu"] = self._valid_bleu()
-        for name, value in scores.items():
-            self.writer.add_scalar(f"valid/{name}", value, self.state.step)
-        self.writer.add_scalar("valid/minutes", self._elapsed_minutes(), self.state.step)
-        self.model.train()
+        if self.writer is not None:
+            for name, value in scores.items():
+                self.writer.add_scalar(f"valid/{name}", value, self.state.step)
+            self.writer.add_scalar("valid/minutes", self._elapsed() / 60, self.state.step)
         return scores
 
     def _valid_bleu(self) -> float:
+        """BLEU of the detokenized validation translations, through the same path as `seq2seq translate`."""
         src, refs = self.valid_text
         translator = Translator(self.model, self.tokenizer, self.cfg.decode, self.device)
         hyps = translator.translate(src, strategy=self.cfg.decode.valid_strategy)
-        examples = "\n\n".join(f"    {s}\n    -> {h}\n    (ref) {r}" for s, h, r in list(zip(src, hyps, refs))[:3])
-        self.writer.add_text("valid/examples", examples, self.state.step)
+        if self.writer is not None:
+            examples = [f"    {s}\n    -> {h}\n    (ref) {r}" for s, h, r in list(zip(src, hyps, refs))[:3]]
+            self.writer.add_text("valid/examples", "\n\n".join(examples), self.state.step)
         return metrics.bleu(hyps, refs).score
 
-    def _save(self, validated: bool, improved: bool = False) -> None:
+    def _save(self, improved: bool = False, keep: bool = False) -> None:
+        """Write checkpoints on rank 0; checkpoint_last last, as the commit point of a resume."""
         if not self.main:
             return
-        self.state.elapsed += time.monotonic() - self.start_time
-        self.start_time = time.monotonic()
-        train_state = {
-            "progress": asdict(self.state),
-            "optimizer": self.optimizer.state_dict(),
-            "scaler": self.scaler.state_dict(),
-            "rng_cpu": torch.get_rng_state(),
-            "rng_cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
-        }
-        save_checkpoint(self.run_dir / LAST, self.model, self.tokenizer, self.cfg, train_state)
         if improved:
             save_checkpoint(self.run_dir / BEST, self.model, self.tokenizer, self.cfg)
-        if validated and self.cfg.train.keep_last:
-            save_checkpoint(self.run_dir / f"checkpoint_step{self.state.step}.pt", self.model, self.tokenizer, self.cfg)
-            for old in step_checkpoints(self.run_dir)[: -self.cfg.train.keep_last]:
-                old.unlink(missing_ok=True)
+        if keep and self.cfg.train.keep_last:
+            save_checkpoint(step_checkpoint_path(self.run_dir, self.state.step), self.model, self.tokenizer, self.cfg)
+            prune_step_checkpoints(self.run_dir, self.cfg.train.keep_last)
+        progress = dataclasses.asdict(self.state)
+        progress["elapsed"] = self._elapsed()
+        train_state = {"progress": progress, "optimizer": self.optimizer.state_dict(),
+                       "scaler": self.scaler.state_dict()}  # fmt: skip
+        save_checkpoint(self.run_dir / LAST, self.model, self.tokenizer, self.cfg, train_state)
 
     def _average(self) -> None:
         paths = step_checkpoints(self.run_dir)[-self.cfg.train.average_last :]
@@ -388,63 +449,16 @@ class Trainer:
             log.info("averaged %d checkpoints into %s", len(paths), self.run_dir / "checkpoint_avg.pt")
 
 
-def step_checkpoints(run_dir: str | Path) -> list[Path]:
-    """A run's `checkpoint_step{N}.pt` files, oldest first."""
-    paths = Path(run_dir).glob("checkpoint_step*.pt")
-    return sorted(paths, key=lambda p: int(p.stem.removeprefix("checkpoint_step")))
-
-
-class _Meter:
-    """Running training statistics between two log lines."""
-
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        self.loss = self.nll = self.tokens = self.grad_norm = 0.0
-        self.updates = 0
-        self.lr = 0.0
-        self.start = time.monotonic()
-
-    def add(self, stats: dict[str, float]) -> None:
-        self.loss += stats["loss"] * stats["tokens"]
-        self.nll += stats["nll"] * stats["tokens"]
-        self.tokens += stats["tokens"]
-        self.grad_norm += stats["grad_norm"] if math.isfinite(stats["grad_norm"]) else 0.0
-        self.updates += 1
-        self.lr = stats["lr"]
-
-    def log(self, writer: Any, step: int) -> str:
-        """Write the averages to TensorBoard and the log; return a short progress-bar text."""
-        seconds = max(time.monotonic() - self.start, 1e-9)
-        loss, nll = self.loss / max(self.tokens, 1), self.nll / max(self.tokens, 1)
-        speed = self.tokens / seconds
-        if writer is not None:
-            for name, value in (("loss", loss), ("nll", nll), ("lr", self.lr), ("tokens_per_s", speed),
-                                ("grad_norm", self.grad_norm / max(self.updates, 1))):  # fmt: skip
-                writer.add_scalar(f"train/{name}", value, step)
-            log.debug("step %d: loss %.3f nll %.3f lr %.2e %.0f tok/s", step, loss, nll, self.lr, speed)
-        text = f"loss={loss:.3f}, lr={self.lr:.2e}, tok/s={speed:.0f}"
-        self.reset()
-        return text
-
-
-def _progress(total: int, initial: int, epoch: int, enabled: bool) -> Any:
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=initial, desc=f"epoch {epoch}", unit="upd", disable=not enabled,
-                dynamic_ncols=True, leave=True)  # fmt: skip
-
-
-def _log_to_file(path: Path) -> None:
-    root = logging.getLogger("seq2seq")
-    if any(isinstance(h, logging.FileHandler) and Path(h.baseFilename) == path.resolve() for h in root.handlers):
-        return
-    handler = logging.FileHandler(path, encoding="utf-8")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-    handler.setLevel(logging.DEBUG)
-    root.addHandler(handler)
-    root.setLevel(logging.DEBUG)
+def _changes(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    """`key: old -> new` for each setting that differs between two config dicts."""
+    out = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _changes(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: {a} -> {b}")
+    return out
 
 
 def train(cfg: ExperimentConfig) -> TrainState:

@@ -1,0 +1,86 @@
+"""What a run shows: running statistics, TensorBoard scalars, progress bars, the log file.
+
+Only rank 0 writes any of it; the trainer passes `None` writers elsewhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("seq2seq.train")
+
+
+class Meter:
+    """Running training statistics between two log lines."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss = self.nll = self.tokens = self.grad_norm = self.lr = 0.0
+        self.updates = 0
+        self.restart_clock()
+
+    def restart_clock(self) -> None:
+        """Start timing afresh, e.g. after a validation, so tokens/s counts training time only."""
+        self.start = time.monotonic()
+        self.timed_tokens = 0.0
+
+    def add(self, stats: dict[str, float]) -> None:
+        self.loss += stats["loss"] * stats["tokens"]
+        self.nll += stats["nll"] * stats["tokens"]
+        self.tokens += stats["tokens"]
+        self.timed_tokens += stats["tokens"]
+        self.grad_norm += stats["grad_norm"]
+        self.updates += 1
+        self.lr = stats["lr"]
+
+    def log(self, writer: Any, step: int) -> str:
+        """Write the averages to TensorBoard and the log file; return a short progress-bar text."""
+        seconds = max(time.monotonic() - self.start, 1e-9)
+        loss, nll = self.loss / max(self.tokens, 1), self.nll / max(self.tokens, 1)
+        values = {"loss": loss, "nll": nll, "ppl": math.exp(min(nll, 50)), "lr": self.lr,
+                  "grad_norm": self.grad_norm / max(self.updates, 1), "tokens_per_s": self.timed_tokens / seconds}  # fmt: skip
+        if writer is not None:
+            for name, value in values.items():
+                writer.add_scalar(f"train/{name}", value, step)
+        log.debug("step %d: loss %.3f, nll %.3f, lr %.2e, grad norm %.2f, %.0f tokens/s", step, loss, nll, self.lr,
+                  values["grad_norm"], values["tokens_per_s"])  # fmt: skip
+        self.reset()
+        return f"loss={loss:.3f}, lr={values['lr']:.2e}, tok/s={values['tokens_per_s']:.0f}"
+
+
+def progress(total: int, initial: int, desc: str, enabled: bool) -> Any:
+    """A tqdm bar with ETA (disabled on ranks other than 0)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, unit="upd", disable=not enabled, dynamic_ncols=True,
+                leave=False)  # fmt: skip
+
+
+def tensorboard(directory: Path, resume_step: int) -> Any:
+    """A SummaryWriter; on resume, events logged after the checkpoint (lost steps) are purged."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(str(directory), purge_step=resume_step + 1 if resume_step else None)
+
+
+def attach_log_file(path: Path) -> logging.Handler:
+    """Copy the `seq2seq` log, debug lines included, into `path` (appending across resumes)."""
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    handler.setLevel(logging.DEBUG)
+    root = logging.getLogger("seq2seq")
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG)
+    return handler
+
+
+def detach_log_file(handler: logging.Handler | None) -> None:
+    if handler is not None:
+        logging.getLogger("seq2seq").removeHandler(handler)
+        handler.close()

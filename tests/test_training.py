@@ -1,0 +1,309 @@
+"""The trainer: schedules, accumulation, exact resume, signals, kill -9, NaN handling, early stopping, logs."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY, tiny_overrides, write_corpus
+from seq2seq.checkpoint import LAST, read_checkpoint
+from seq2seq.cli import main
+from seq2seq.config import ExperimentConfig, load_config
+from seq2seq.data import collate
+from seq2seq.training import trainer as trainer_module
+from seq2seq.training.optim import lr_at
+from seq2seq.training.trainer import Trainer, TrainingError, train
+
+# Small batches of a small corpus: 14 batches an epoch, a few milliseconds an update. One thread: on a
+# busy machine, two OpenMP threads per process can make these tiny steps 20x slower.
+FAST = ("train.valid_bleu=false", "train.max_tokens=256", "train.max_epochs=1000", "train.log_every=1",
+        "train.threads=1")
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("small"), n_train=600)
+
+
+def config(corpus: Path, run_dir: Path, *extra: str) -> ExperimentConfig:
+    return load_config(TINY, tiny_overrides(corpus, run_dir, *FAST, *extra))
+
+
+def weights(run_dir: Path, name: str = LAST) -> dict[str, torch.Tensor]:
+    return read_checkpoint(run_dir / name)["model"]
+
+
+def progress(run_dir: Path) -> dict[str, object]:
+    return read_checkpoint(run_dir / LAST)["train_state"]["progress"]
+
+
+# Learning-rate schedules: pure functions of the step.
+
+
+def test_inverse_sqrt_warms_up_linearly_then_decays_as_inverse_sqrt() -> None:
+    lr, warmup = 1e-3, 100
+    assert lr_at(1, "inverse_sqrt", lr, warmup) == pytest.approx(lr / 100)
+    assert lr_at(50, "inverse_sqrt", lr, warmup) == pytest.approx(lr / 2)
+    assert lr_at(100, "inverse_sqrt", lr, warmup) == pytest.approx(lr)
+    assert lr_at(400, "inverse_sqrt", lr, warmup) == pytest.approx(lr / 2)
+    assert lr_at(10_000, "inverse_sqrt", lr, warmup) == pytest.approx(lr / 10)
+    peak = max(range(1, 1000), key=lambda s: lr_at(s, "inverse_sqrt", lr, warmup))
+    assert peak == warmup
+
+
+def test_noam_is_the_paper_formula() -> None:
+    d_model, warmup, factor = 512, 4000, 2.0
+    for step in (1, 100, 3999, 4000, 4001, 50_000):
+        expected = factor * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
+        assert lr_at(step, "noam", factor, warmup, d_model=d_model) == pytest.approx(expected)
+    assert max(range(1, 10_000), key=lambda s: lr_at(s, "noam", factor, warmup, d_model=d_model)) == warmup
+
+
+def test_cosine_warms_up_then_reaches_zero_at_the_last_step() -> None:
+    lr, warmup, total = 1e-3, 10, 110
+    assert lr_at(5, "cosine", lr, warmup, total) == pytest.approx(lr / 2)
+    assert lr_at(10, "cosine", lr, warmup, total) == pytest.approx(lr)
+    assert lr_at(60, "cosine", lr, warmup, total) == pytest.approx(lr / 2)  # half way through the decay
+    assert lr_at(110, "cosine", lr, warmup, total) == pytest.approx(0.0, abs=1e-15)
+    assert lr_at(500, "cosine", lr, warmup, total) == pytest.approx(0.0, abs=1e-15)
+    values = [lr_at(s, "cosine", lr, warmup, total) for s in range(warmup, total + 1)]
+    assert values == sorted(values, reverse=True)
+
+
+def test_constant_after_warmup_and_without_warmup() -> None:
+    assert lr_at(3, "constant", 5e-4, 4) == pytest.approx(3.75e-4)
+    assert [lr_at(s, "constant", 5e-4, 4) for s in (4, 5, 10**6)] == [5e-4] * 3
+    assert lr_at(1, "constant", 5e-4, 0) == 5e-4
+
+
+def test_schedules_are_pure_functions_of_the_step() -> None:
+    for schedule in ("inverse_sqrt", "noam", "cosine", "constant"):
+        first = [lr_at(s, schedule, 1e-3, 20, 200) for s in range(1, 300)]
+        assert first == [lr_at(s, schedule, 1e-3, 20, 200) for s in range(1, 300)]
+    with pytest.raises(ValueError, match="unknown schedule"):
+        lr_at(1, "linear", 1e-3, 10)
+
+
+# Gradient accumulation.
+
+
+def test_accumulating_two_batches_equals_one_batch_of_their_union(small: Path, tmp_path: Path) -> None:
+    trainer = Trainer(config(small, tmp_path / "run", "model.dropout=0"))
+    try:
+        first, second = trainer._epoch_batches(1)[:2]
+        parts = [collate(trainer.train_data, first), collate(trainer.train_data, second)]
+        union = [collate(trainer.train_data, first + second)]
+        results, grads = [], []
+        for batches in (parts, union):
+            results.append(trainer.accumulate(batches, step=1))
+            grads.append([p.grad.clone() for p in trainer.model.parameters()])
+            trainer.optimizer.zero_grad(set_to_none=True)
+        (loss_a, nll_a, tokens_a), (loss_b, nll_b, tokens_b) = results
+        assert tokens_a == tokens_b == parts[0].n_tokens + parts[1].n_tokens
+        assert loss_a == pytest.approx(loss_b, rel=1e-5) and nll_a == pytest.approx(nll_b, rel=1e-5)
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        # ... and the gradient is per target token: the mean, not the sum, over the update.
+        norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads[0]))
+        assert 0.01 < norm < 100
+    finally:
+        trainer.close()
+
+
+# Exact resume.
+
+
+@pytest.mark.parametrize("update_freq, stop, end", [(1, 5, 20), (2, 3, 10)])
+def test_resume_reaches_the_same_weights_as_an_uninterrupted_run(
+    small: Path, tmp_path: Path, update_freq: int, stop: int, end: int
+) -> None:
+    """Dropout on (so the RNG matters), stopped mid-epoch (so the data position matters), across an epoch end."""
+    settings = ("model.dropout=0.2", "model.attention_dropout=0.1", f"train.update_freq={update_freq}",
+                "train.warmup_steps=4")  # fmt: skip
+    whole = train(config(small, tmp_path / "whole", *settings, f"train.max_steps={end}"))
+    part = train(config(small, tmp_path / "part", *settings, f"train.max_steps={stop}"))
+    assert part.step == stop and part.epoch == 1 and part.batch_in_epoch == stop * update_freq
+    resumed = train(config(small, tmp_path / "part", *settings, f"train.max_steps={end}"))
+    assert whole.epoch == 2, "the test should cross an epoch boundary"
+    assert (resumed.step, resumed.epoch, resumed.batch_in_epoch) == (whole.step, whole.epoch, whole.batch_in_epoch)
+    a, b = weights(tmp_path / "whole"), weights(tmp_path / "part")
+    assert all(torch.equal(a[name], b[name]) for name in a)
+    log = (tmp_path / "part" / "train.log").read_text()
+    assert f"resuming {tmp_path / 'part'} at step {stop}" in log
+    assert f"train.max_steps: {stop} -> {end}" in log
+
+
+def test_resuming_a_finished_run_changes_nothing(small: Path, tmp_path: Path) -> None:
+    cfg = config(small, tmp_path / "run", "train.max_steps=3")
+    train(cfg)
+    before = weights(tmp_path / "run")
+    state = train(cfg)
+    assert state.step == 3
+    after = weights(tmp_path / "run")
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_resume_refuses_a_different_model(small: Path, tmp_path: Path) -> None:
+    train(config(small, tmp_path / "run", "train.max_steps=1"))
+    with pytest.raises(TrainingError, match="does not match its checkpoint"):
+        Trainer(config(small, tmp_path / "run", "model.d_model=32"))
+
+
+# Signals and kill -9, on a real `seq2seq train` process.
+
+
+def _start(corpus: Path, run_dir: Path, *extra: str) -> tuple[subprocess.Popen[bytes], Path]:
+    stderr = run_dir.parent / f"{run_dir.name}.stderr"
+    args = [sys.executable, "-m", "seq2seq", "train", "--config", str(TINY),
+            *tiny_overrides(corpus, run_dir, *FAST, *extra)]  # fmt: skip
+    with open(stderr, "wb") as err:
+        proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
+    return proc, stderr
+
+
+def _wait_for(condition: Callable[[], bool], proc: subprocess.Popen[bytes], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, f"training exited early with code {proc.returncode}"
+        assert time.monotonic() < deadline, "timed out waiting for training to progress"
+        time.sleep(0.05)
+
+
+def _logged_step(run_dir: Path, step: int) -> Callable[[], bool]:
+    log = run_dir / "train.log"
+    return lambda: log.exists() and f"step {step}: loss" in log.read_text()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_saves_a_checkpoint_and_exits_cleanly(small: Path, tmp_path: Path, sig: signal.Signals) -> None:
+    run = tmp_path / "run"
+    proc, stderr = _start(small, run)
+    _wait_for(_logged_step(run, 3), proc)
+    proc.send_signal(sig)
+    assert proc.wait(timeout=120) == 0
+    err = stderr.read_text()
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    stopped = progress(run)["step"]
+    assert stopped >= 3
+    assert f"stopped by a signal at step {stopped}" in (run / "train.log").read_text()
+    state = train(config(small, run, f"train.max_steps={stopped + 2}"))
+    assert state.step == stopped + 2
+    assert f"at step {stopped} (epoch" in (run / "train.log").read_text()
+
+
+def test_kill_9_leaves_only_complete_checkpoints_and_the_run_resumes(small: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc, _ = _start(small, run, "train.save_every=1", "train.valid_every=4", "train.keep_last=2")
+    _wait_for(_logged_step(run, 9), proc)
+    proc.send_signal(signal.SIGKILL)  # saving is continuous here, so this often lands mid-write
+    proc.wait(timeout=60)
+    expected = re.compile(r"checkpoint_(last|best|step\d+)\.pt|config\.yaml|spm\.model|train\.log|tb|\.checkpoint.*\.tmp")
+    assert all(expected.fullmatch(name) for name in os.listdir(run)), os.listdir(run)
+    for path in run.glob("checkpoint*.pt"):
+        read_checkpoint(path)  # complete and loadable
+    saved = progress(run)["step"]
+    assert saved >= 8
+    (run / ".checkpoint_last.pt.x1y2.tmp").write_bytes(b"half a checkpoint")
+    state = train(config(small, run, "train.save_every=1", "train.valid_every=4", "train.keep_last=2",
+                         f"train.max_steps={saved + 2}"))  # fmt: skip
+    assert state.step == saved + 2
+    assert not list(run.glob(".*.tmp"))
+
+
+# Non-finite losses.
+
+
+def _nan_loss(monkeypatch: pytest.MonkeyPatch, bad: Callable[[int], bool]) -> None:
+    """Make the training loss of the micro-batches `bad` selects (by call number) NaN."""
+    real, calls = trainer_module.batch_loss, [0]
+
+    def loss(model: torch.nn.Module, batch: object, epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
+        value, nll = real(model, batch, epsilon)
+        calls[0] += 1
+        return (value * math.nan, nll) if model.training and bad(calls[0]) else (value, nll)
+
+    monkeypatch.setattr(trainer_module, "batch_loss", loss)
+
+
+def test_a_nan_loss_skips_the_update_with_a_warning(
+    small: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    _nan_loss(monkeypatch, lambda call: call == 2)
+    state = train(config(small, tmp_path / "run", "train.max_steps=4"))
+    assert state.step == 4 and state.batch_in_epoch == 5  # one batch went to the skipped update
+    assert "update 2 skipped: non-finite loss (nan)" in caplog.text
+    assert all(torch.isfinite(t).all() for t in weights(tmp_path / "run").values())
+
+
+def test_persistent_nan_stops_with_a_clear_message(small: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _nan_loss(monkeypatch, lambda call: call > 2)
+    with pytest.raises(TrainingError, match=r"training diverged: 3 updates in a row .* \(at step 3\); lower train.lr"):
+        train(config(small, tmp_path / "run", "train.max_bad_steps=3", "train.max_steps=50"))
+
+
+def test_persistent_nan_is_one_line_from_the_cli(
+    small: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _nan_loss(monkeypatch, lambda call: True)
+    overrides = tiny_overrides(small, tmp_path / "run", *FAST, "train.max_bad_steps=2")
+    assert main(["train", "--config", str(TINY), *overrides]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("seq2seq: error: training diverged: 2 updates in a row")
+    assert "Traceback" not in "\n".join(err)
+
+
+# Validation: best checkpoint and early stopping.
+
+
+@pytest.mark.parametrize("metric, scores", [("bleu", [1.0, 3.0, 2.0, 2.5, 9.0]), ("loss", [3.0, 1.0, 2.0, 1.5, 0.1])])
+def test_best_checkpoint_by_metric_and_early_stopping(
+    small: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, metric: str, scores: list[float]
+) -> None:
+    remaining = iter(scores)
+
+    def validate(self: Trainer) -> dict[str, float]:
+        value = next(remaining)
+        return {"loss": value, "ppl": math.exp(value), "bleu": value}
+
+    monkeypatch.setattr(Trainer, "validate", validate)
+    run = tmp_path / "run"
+    state = train(config(small, run, f"train.best_metric={metric}", "train.patience=2", "train.valid_every=1",
+                         "train.keep_last=10", "train.max_steps=20"))  # fmt: skip
+    assert state.step == 4, "two validations without improvement after the best (step 2) stop the run"
+    assert (state.best, state.best_metric, state.bad_validations) == (scores[1], metric, 2)
+    best, step2 = weights(run, "checkpoint_best.pt"), weights(run, "checkpoint_step2.pt")
+    assert all(torch.equal(best[k], step2[k]) for k in best)
+    assert "(patience)" in (run / "train.log").read_text()
+
+
+# Logging.
+
+
+def test_tensorboard_scalars_examples_and_log_file(small: Path, tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"
+    train(config(small, run, "train.valid_bleu=true", "train.valid_every=3", "train.max_steps=6",
+                 "decode.max_len=12"))  # fmt: skip
+    events = EventAccumulator(str(run / "tb"), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    scalars = set(events.Tags()["scalars"])
+    for tag in ("train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "valid/loss", "valid/ppl",
+                "valid/bleu"):  # fmt: skip
+        assert tag in scalars, tag
+    assert [e.step for e in events.Scalars("valid/bleu")] == [3, 6]
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
+    assert any("valid/examples" in tag for tag in events.Tags()["tensors"])
+    log = (run / "train.log").read_text()
+    assert re.search(r"step 3: valid loss [\d.]+, nll [\d.]+, ppl [\d.]+, bleu [\d.]+", log)
+    assert "step 6: valid" in log and "training finished at step 6" in log
