@@ -40,6 +40,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except BrokenPipeError:  # e.g. `seq2seq translate ... | head`
         return 0
+    except OSError as e:  # e.g. an --input file that does not exist: the system's message says it all
+        print(f"seq2seq: error: {e}", file=sys.stderr)
+        return 1
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -94,6 +97,8 @@ def _add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
 
 
 def _setup_logging(verbose: bool) -> None:
+    for old in [h for h in log.handlers if isinstance(h, _TqdmHandler)]:
+        log.removeHandler(old)  # main() may run many times in one process (tests, notebooks)
     handler = _TqdmHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s %(message)s" if verbose else "%(message)s"))
     handler.setLevel(logging.DEBUG if verbose else logging.INFO)
@@ -116,7 +121,7 @@ class _TqdmHandler(logging.Handler):
 def _download(args: argparse.Namespace) -> int:
     from seq2seq.download import download_multi30k
 
-    paths = download_multi30k(args.dest, tuple(args.langs.split(",")), args.mirror)
+    paths = download_multi30k(args.dest, tuple(lang.strip() for lang in args.langs.split(",")), args.mirror)
     log.info("%d files ready in %s", len(paths), args.dest)
     return 0
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import single_thread_env
 
 from seq2seq.config import (
     ConfigError,
@@ -196,7 +197,7 @@ def test_cli_bad_config_exits_2_with_one_line_and_no_traceback(tmp_path: Path) -
     path = write(tmp_path, "model:\n  d_modle: 64\n")
     proc = subprocess.run(
         [sys.executable, "-m", "seq2seq", "train", "--config", str(path)],
-        capture_output=True, text=True, cwd=tmp_path, timeout=120,
+        capture_output=True, text=True, cwd=tmp_path, timeout=120, env=single_thread_env(),
     )  # fmt: skip
     assert proc.returncode == 2
     lines = proc.stderr.splitlines()

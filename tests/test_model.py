@@ -18,6 +18,8 @@ from seq2seq.model.transformer import sinusoidal_table
 from seq2seq.tokenizer import BOS, EOS, PAD
 
 VOCAB = 23
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 CLOSE = {"atol": 1e-5, "rtol": 1e-5}
 VARIANTS = {
     "pre": {"norm": "pre"},

@@ -1,0 +1,220 @@
+"""End to end through the `seq2seq` command: a tiny model learns to reverse sentences, then translates and scores.
+
+`trained_run` (conftest.py) trains once per session.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from seq2seq.checkpoint import load_checkpoint, save_checkpoint
+from seq2seq.cli import main
+from seq2seq.config import load_config
+from seq2seq.data import pad
+from seq2seq.model import build_model
+from seq2seq.tokenizer import BOS, EOS, PAD
+from seq2seq.translate import Translator
+
+from conftest import TINY, single_thread_env, tiny_overrides
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+SOURCES = ["red cat dog", "", "blue sun moon tree", "fish bird"]
+
+
+def lines(path: Path) -> list[str]:
+    return path.read_text(encoding="utf-8").splitlines()
+
+
+def reverse(sentence: str) -> str:
+    return " ".join(reversed(sentence.split()))
+
+
+def one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
+    """stderr must hold exactly one `seq2seq: ...error...` line (the CLI's contract for known problems)."""
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("seq2seq: ") and "error" in err[0]
+    return err[0]
+
+
+# Training produced a complete, useful run.
+
+
+def test_run_directory_has_everything(trained_run: Path) -> None:
+    for name in ("config.yaml", "spm.model", "train.log", "checkpoint_last.pt", "checkpoint_best.pt"):
+        assert (trained_run / name).is_file(), name
+    assert list((trained_run / "tb").glob("events.out.tfevents.*"))
+    assert "valid" in (trained_run / "train.log").read_text(encoding="utf-8")
+    stored = load_config(trained_run / "config.yaml")
+    assert stored.train.run_dir == str(trained_run) and stored.data.src_lang == "src"
+    assert load_checkpoint(trained_run / "checkpoint_best.pt").config == stored
+
+
+def test_tiny_model_learns_to_reverse(trained_run: Path, corpus: Path) -> None:
+    translator = Translator.from_checkpoint(trained_run / "checkpoint_best.pt")
+    src, ref = lines(corpus / "test.src"), lines(corpus / "test.tgt")
+    for strategy in ("beam", "greedy"):
+        hyps = translator.translate(src, strategy=strategy)
+        exact = sum(h == r for h, r in zip(hyps, ref)) / len(ref)
+        assert exact >= 0.9, (strategy, exact, [(h, r) for h, r in zip(hyps, ref) if h != r][:5])
+
+
+# Checkpoints.
+
+
+@torch.no_grad()
+def test_checkpoint_reload_gives_identical_logits(trained_run: Path, tmp_path: Path) -> None:
+    loaded = load_checkpoint(trained_run / "checkpoint_best.pt")
+    model, tokenizer = loaded.model, loaded.tokenizer
+    src_ids = [seq + [EOS] for seq in tokenizer.encode_src(["red cat dog", "sun"])]
+    src = pad(src_ids)
+    tgt = pad([[BOS] + tokenizer.encode_tgt(["dog cat red"])[0], [BOS]])
+    before = model(src, src == PAD, tgt)
+
+    save_checkpoint(tmp_path / "copy.pt", model, tokenizer, loaded.config)
+    again = load_checkpoint(tmp_path / "copy.pt")
+    assert torch.equal(again.model(src, src == PAD, tgt), before)
+    assert again.tokenizer.encode_src(["red cat dog"]) == tokenizer.encode_src(["red cat dog"])
+    assert again.train_state is None
+
+    # The weights really come from the file: a fresh model of the same shape disagrees.
+    torch.manual_seed(123)
+    fresh = build_model(loaded.config.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size).eval()
+    assert not torch.allclose(fresh(src, src == PAD, tgt), before, atol=1e-3)
+
+
+def test_last_checkpoint_can_resume(trained_run: Path) -> None:
+    last = load_checkpoint(trained_run / "checkpoint_last.pt")
+    assert last.train_state is not None and last.train_state["progress"]["step"] > 0
+
+
+@pytest.mark.parametrize("damage", ["random-bytes", "truncated", "empty", "missing", "directory"])
+def test_unusable_checkpoint_is_one_line_exit_1(
+    damage: str, trained_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "model.pt"
+    good = (trained_run / "checkpoint_best.pt").read_bytes()
+    if damage == "random-bytes":
+        path.write_bytes(random.Random(0).randbytes(4096))
+    elif damage == "truncated":
+        path.write_bytes(good[: len(good) // 2])
+    elif damage == "empty":
+        path.write_bytes(b"")
+    elif damage == "directory":
+        path.mkdir()
+    source = tmp_path / "in.txt"
+    source.write_text("red cat\n", encoding="utf-8")
+    assert main(["translate", "-c", str(path), "-i", str(source)]) == 1
+    assert str(path) in one_error_line(capsys)
+
+
+# translate and evaluate.
+
+
+def test_translate_files(trained_run: Path, tmp_path: Path) -> None:
+    source, output = tmp_path / "in.txt", tmp_path / "out.txt"
+    source.write_text("\n".join(SOURCES) + "\n", encoding="utf-8")
+    assert main(["translate", "-c", str(trained_run / "checkpoint_best.pt"), "-i", str(source), "-o", str(output)]) == 0
+    assert lines(output) == [reverse(s) for s in SOURCES]  # one line out per line in, empty stays empty
+
+
+def test_translate_jsonl_nbest(trained_run: Path, tmp_path: Path) -> None:
+    source, output = tmp_path / "in.txt", tmp_path / "out.jsonl"
+    source.write_text("red cat dog\n", encoding="utf-8")
+    argv = ["translate", "-c", str(trained_run / "checkpoint_best.pt"), "-i", str(source), "-o", str(output),
+            "--format", "jsonl", "decode.nbest=2"]  # fmt: skip
+    assert main(argv) == 0
+    record = json.loads(output.read_text(encoding="utf-8"))
+    assert record["source"] == "red cat dog" and record["translation"] == "dog cat red"
+    assert len(record["nbest"]) == 2 and record["nbest"][0]["score"] >= record["nbest"][1]["score"]
+    best = record["nbest"][0]
+    assert best["tokens"][-1] == EOS and len(best["token_logprobs"]) == len(best["tokens"])
+
+
+def test_translate_stdin_to_stdout(trained_run: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "seq2seq", "translate", "-c", str(trained_run / "checkpoint_best.pt")],
+        input="\n".join(SOURCES) + "\n", capture_output=True, text=True, timeout=300, env=single_thread_env(),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [reverse(s) for s in SOURCES]
+    assert "Traceback" not in proc.stderr
+
+
+def test_translate_rejects_training_overrides(trained_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["translate", "-c", str(trained_run / "checkpoint_best.pt"), "train.lr=1"]) == 2
+    assert "only decode.* settings" in one_error_line(capsys)
+
+
+def test_translate_missing_input_file(trained_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "nope.txt"
+    assert main(["translate", "-c", str(trained_run / "checkpoint_best.pt"), "-i", str(missing)]) == 1
+    assert str(missing) in one_error_line(capsys)
+
+
+def test_evaluate_checkpoint_prints_signed_scores(trained_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["evaluate", "--checkpoint", str(trained_run / "checkpoint_best.pt")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(" = ")[0] for line in out] == ["BLEU", "chrF", "TER"]
+    for line in out:
+        assert "nrefs:1" in line and "version:" in line  # the sacreBLEU signature
+    assert "tok:13a" in out[0]
+    bleu = float(out[0].split(" = ")[1].split()[0])
+    assert bleu > 80
+
+
+def test_evaluate_hypotheses_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ref = tmp_path / "ref.txt"
+    ref.write_text("a dog runs .\nthe cat sleeps .\n", encoding="utf-8")
+    assert main(["evaluate", "--hypotheses", str(ref), "--ref", str(ref), "--lowercase"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("BLEU = 100.00") and out[3].startswith("BLEU (lowercase) = 100.00")
+    short = tmp_path / "short.txt"
+    short.write_text("a dog runs .\n", encoding="utf-8")
+    assert main(["evaluate", "--hypotheses", str(short), "--ref", str(ref)]) == 1
+    assert "1 hypotheses but 2 references" in one_error_line(capsys)
+
+
+def test_evaluate_tokenized_bleu_takes_the_language_from_the_file_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("sacremoses")
+    hyps, tok = tmp_path / "hyp.txt", tmp_path / "ref.tok.en"
+    hyps.write_text("A dog runs.\n", encoding="utf-8")
+    tok.write_text("a dog runs .\n", encoding="utf-8")
+    assert main(["evaluate", "--hypotheses", str(hyps), "--ref", str(hyps), "--tok-ref", str(tok)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("BLEU (lc, Moses-tokenized) = 100.00")
+
+
+# Bad input to train.
+
+
+def test_train_on_misaligned_corpus_is_one_line_exit_1(
+    corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for path in corpus.iterdir():
+        (bad / path.name).write_bytes(path.read_bytes())
+    (bad / "train.tgt").write_text("\n".join(lines(corpus / "train.tgt")[:10]) + "\n", encoding="utf-8")
+    assert main(["train", "--config", str(TINY), *tiny_overrides(bad, tmp_path / "run")]) == 1
+    message = one_error_line(capsys)
+    assert "misaligned" in message and "train.src" in message and "train.tgt" in message and "has 10" in message
+
+
+def test_main_can_run_twice_without_duplicating_log_lines(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    ref = tmp_path / "ref.txt"
+    ref.write_text("x\n", encoding="utf-8")
+    for _ in range(2):
+        main(["evaluate", "--hypotheses", str(ref), "--ref", str(ref)])
+    capsys.readouterr()
+    logging.getLogger("seq2seq").info("marker line")
+    assert capsys.readouterr().err.count("marker line") == 1
