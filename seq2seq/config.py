@@ -352,7 +352,10 @@ def _convert(value: Any, kind: Any, key: str, source: str) -> Any:
     else:
         raise AssertionError(f"unsupported config type {kind} for {key}")
     name = getattr(kind, "__name__", str(kind))
-    raise ConfigError(f"{source}: {key} must be {name}; got {value!r}")
+    hint = ""
+    if kind is str and (value is None or isinstance(value, bool)):  # YAML 1.1: no, on, ~ ... are not strings
+        hint = " (YAML reads no/yes/on/off/null/~ as booleans or null: quote the value)"
+    raise ConfigError(f"{source}: {key} must be {name}; got {value!r}{hint}")
 
 
 def apply_overrides(cfg: ExperimentConfig, overrides: list[str], source: str = "command line") -> ExperimentConfig:

@@ -108,6 +108,13 @@ def test_wrong_type_is_rejected(tmp_path: Path, yaml_text: str, needle: str) -> 
     assert needle in message and str(path) in message
 
 
+def test_yaml_booleans_in_a_string_field_say_to_quote(tmp_path: Path) -> None:
+    """`src_lang: no` (Norwegian) is YAML 1.1 for False; the message must say why, not just "got False"."""
+    message = config_error(write(tmp_path, "data:\n  src_lang: no\n"))
+    assert "data.src_lang must be str; got False" in message and "quote" in message
+    assert load_config(write(tmp_path, "data:\n  src_lang: 'no'\n")).data.src_lang == "no"
+
+
 def test_invalid_choice_lists_the_choices(tmp_path: Path) -> None:
     message = config_error(write(tmp_path, "model:\n  norm: middle\n"))
     assert "model.norm must be one of post, pre; got 'middle'" in message

@@ -102,6 +102,16 @@ def test_padded_source_content_is_ignored() -> None:
     assert not torch.allclose(unmasked, model(src, mask, tgt), atol=1e-3)  # without the mask they would matter
 
 
+@torch.no_grad()
+def test_projecting_selected_positions_equals_slicing_all_logits() -> None:
+    """Training projects only real target tokens to the vocabulary; it must be the same numbers."""
+    model = tiny_model()
+    src, mask = source_batch()
+    tgt = target_batch()
+    keep = torch.rand(tgt.shape, generator=torch.Generator().manual_seed(3)) > 0.4
+    torch.testing.assert_close(model(src, mask, tgt, keep), model(src, mask, tgt)[keep], **CLOSE)
+
+
 # Incremental decoding.
 
 
