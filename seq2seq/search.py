@@ -160,7 +160,8 @@ def sentence_uniforms(src: Tensor, src_pad_mask: Tensor, seed: int, steps: int) 
     rows = []
     for ids, pad in zip(src.tolist(), src_pad_mask.tolist()):
         key = repr((seed, [i for i, p in zip(ids, pad) if not p])).encode()
-        generator = torch.Generator().manual_seed(int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1)
+        seed_of_row = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+        generator = torch.Generator().manual_seed(seed_of_row)
         rows.append(torch.rand(steps, generator=generator, dtype=torch.float64))
     return torch.stack(rows).to(src.device)
 
@@ -190,7 +191,8 @@ def sequential_search(
         if not done.any():
             continue
         for row in done.nonzero().flatten().tolist():
-            results[int(alive[row])] = [make_hypothesis(history[row, 1:].tolist(), step_scores[row].tolist(), cfg.length_penalty)]
+            hypothesis = make_hypothesis(history[row, 1:].tolist(), step_scores[row].tolist(), cfg.length_penalty)
+            results[int(alive[row])] = [hypothesis]
         if done.all():
             return results
         keep = (~done).nonzero().flatten()

@@ -66,7 +66,9 @@ class Translator:
         """Best translation of each line."""
         return [t.text for t in self.translate_full(lines, strategy)]
 
-    def translate_full(self, lines: Sequence[str], strategy: str | None = None, first_line: int = 1) -> list[Translation]:
+    def translate_full(
+        self, lines: Sequence[str], strategy: str | None = None, first_line: int = 1
+    ) -> list[Translation]:
         """Translations with n-best hypotheses, scores and token log-probabilities, in input order.
 
         `first_line` numbers the lines in warnings (for input read in chunks).

@@ -100,10 +100,14 @@ def sources(*lengths: int, ids: tuple[int, ...] | None = None) -> tuple[Tensor, 
 
 def cfg(**kw: object) -> DecodeConfig:
     """Generous length limits unless a test sets them."""
-    return DecodeConfig(**{"max_len_a": 0.0, "max_len_b": 20, "max_len": 20, "length_penalty": 0.0, **kw})  # type: ignore[arg-type]
+    settings = {"max_len_a": 0.0, "max_len_b": 20, "max_len": 20, "length_penalty": 0.0, **kw}
+    return DecodeConfig(**settings)  # type: ignore[arg-type]
 
 
-def run(script: Script, decode: DecodeConfig, strategy: str, n_sentences: int = 1) -> list[list[tuple[tuple[int, ...], float]]]:
+Ranked = list[list[tuple[tuple[int, ...], float]]]  # per sentence: (tokens, score), best first
+
+
+def run(script: Script, decode: DecodeConfig, strategy: str, n_sentences: int = 1) -> Ranked:
     src, mask = sources(*[3] * n_sentences)
     hyps = search(ScriptedModel(script), src, mask, decode, 100, strategy)
     return [[(tuple(h.tokens), h.score) for h in sentence] for sentence in hyps]

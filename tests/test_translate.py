@@ -126,12 +126,14 @@ def test_interactive_translates_each_line_as_it_arrives(checkpoint: Path, tmp_pa
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     with open(tmp_path / "stderr.txt", "w") as stderr:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "seq2seq", "translate", "-c", str(checkpoint), "--interactive", "decode.strategy=greedy"],
+            [sys.executable, "-m", "seq2seq", "translate", "-c", str(checkpoint), "--interactive",
+             "decode.strategy=greedy"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True, encoding="utf-8", env=env,
         )  # fmt: skip
         assert proc.stdin is not None and proc.stdout is not None
         lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+        stdout = proc.stdout
+        threading.Thread(target=lambda: [lines.put(line) for line in stdout], daemon=True).start()
         try:
             for source, expected in [("red cat", "cat red"), ("", ""), ("sun moon tree", "tree moon sun")]:
                 proc.stdin.write(source + "\n")
@@ -139,7 +141,8 @@ def test_interactive_translates_each_line_as_it_arrives(checkpoint: Path, tmp_pa
                 try:
                     assert lines.get(timeout=120).rstrip("\n") == expected
                 except queue.Empty:
-                    pytest.fail(f"no translation of {source!r} while stdin stays open: {(tmp_path / 'stderr.txt').read_text()}")
+                    log = (tmp_path / "stderr.txt").read_text()
+                    pytest.fail(f"no translation of {source!r} while stdin stays open; stderr: {log}")
             proc.stdin.close()
             assert proc.wait(timeout=60) == 0
         finally:
@@ -150,7 +153,8 @@ def test_evaluate_scores_a_hypothesis_file(tmp_path: Path, capsys: pytest.Captur
     refs = ["A dog runs through the snow.", "Two men are playing chess in a park.", "A girl in a red coat."]
     (tmp_path / "ref.en").write_text("\n".join(refs) + "\n", encoding="utf-8")
     (tmp_path / "hyp.en").write_text("\n".join(r.lower() for r in refs) + "\n", encoding="utf-8")
-    assert main(["evaluate", "--hypotheses", str(tmp_path / "hyp.en"), "--ref", str(tmp_path / "ref.en"), "--lowercase"]) == 0
+    files = ["--hypotheses", str(tmp_path / "hyp.en"), "--ref", str(tmp_path / "ref.en")]
+    assert main(["evaluate", *files, "--lowercase"]) == 0
     report = {line.split(" = ")[0]: line for line in capsys.readouterr().out.splitlines()}
     assert set(report) == {"BLEU", "chrF", "TER", "BLEU (lowercase)"}
     assert "nrefs:1|case:mixed" in report["BLEU"] and "case:lc" in report["BLEU (lowercase)"]

@@ -1,0 +1,148 @@
+"""Decoding speed: sentences/s for greedy and beam search, with the key/value cache and without.
+
+The no-cache baseline (`seq2seq.search.uncached_search`) runs the same search
+code but recomputes the decoder over the whole prefix at every step. The
+machine's speed drifts (it may be shared), so the runs are interleaved, each
+round in mirrored order (A B B A), and the cached/uncached ratios are taken
+within each round; the report gives their medians.
+
+    .venv/bin/python scripts/bench_decode.py --checkpoint runs/bench/checkpoint_best.pt -n 1000 --rounds 3
+
+With --fixed-length L every hypothesis is exactly L tokens long (min_len = max_len = L),
+which measures the cache at a controlled length whatever the checkpoint's quality.
+Without a checkpoint, --train-minutes M first trains one with configs/quickstart.yaml.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from seq2seq.data import read_lines  # noqa: E402
+from seq2seq.search import search, uncached_search  # noqa: E402
+from seq2seq.translate import Translation, Translator  # noqa: E402
+
+
+@dataclass
+class Run:
+    name: str  # e.g. "beam5 cached"
+    seconds: float
+    sentences: int
+    tokens: int  # output tokens of the best hypotheses, EOS included
+    outputs: list[list[int]]
+
+    @property
+    def speed(self) -> float:
+        return self.sentences / self.seconds
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", "-c", default="runs/bench/checkpoint_best.pt")
+    p.add_argument("--src", default="data/multi30k/test_2016_flickr.de.gz", help="source sentences, one per line")
+    p.add_argument("-n", type=int, default=1000, help="sentences to translate (the first n)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; ratios are medians over rounds")
+    p.add_argument("--beam", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=0, help="decoding batch budget in source tokens (0: checkpoint's)")
+    p.add_argument("--fixed-length", type=int, default=0, help="force outputs of exactly this many tokens")
+    p.add_argument("--modes", default="greedy,beam", help="comma-separated: greedy, beam")
+    p.add_argument("--train-minutes", type=float, default=0, help="train a quickstart checkpoint first if missing")
+    p.add_argument("--json", help="also write the results here")
+    return p.parse_args()
+
+
+def ensure_checkpoint(path: Path, minutes: float) -> None:
+    """Train a short quickstart run when the checkpoint is missing and --train-minutes allows it."""
+    if path.is_file():
+        return
+    if minutes <= 0:
+        sys.exit(f"bench_decode: no checkpoint at {path}; give --checkpoint or --train-minutes")
+    command = [str(ROOT / ".venv/bin/seq2seq"), "train", "--config", str(ROOT / "configs/quickstart.yaml"),
+               f"train.run_dir={path.parent}", f"train.max_minutes={minutes}", "train.valid_bleu=false"]  # fmt: skip
+    print("training:", " ".join(command), file=sys.stderr)
+    subprocess.run(command, check=True)
+
+
+def timed(translator: Translator, lines: list[str], strategy: str, cached: bool, name: str) -> Run:
+    translator.search_fn = search if cached else uncached_search
+    start = time.perf_counter()
+    results: list[Translation] = translator.translate_full(lines, strategy)
+    seconds = time.perf_counter() - start
+    outputs = [t.hypotheses[0].tokens if t.hypotheses else [] for t in results]
+    return Run(name, seconds, len(lines), sum(len(o) for o in outputs), outputs)
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    checkpoint = Path(args.checkpoint)
+    ensure_checkpoint(checkpoint, args.train_minutes)
+    translator = Translator.from_checkpoint(checkpoint, beam_size=args.beam, nbest=1)
+    if args.max_tokens:
+        translator.decode = replace(translator.decode, max_tokens=args.max_tokens)
+    if args.fixed_length:
+        L = args.fixed_length
+        translator.decode = replace(translator.decode, min_len=L, max_len=L, max_len_a=0.0, max_len_b=L)
+    lines = [line for line in read_lines(args.src) if line.strip()][: args.n]
+    modes = args.modes.split(",")
+    timed(translator, lines[:8], "greedy", True, "warm-up")
+    timed(translator, lines[:8], "greedy", False, "warm-up")
+
+    runs: dict[str, list[Run]] = {}
+    ratios: dict[str, list[float]] = {m: [] for m in modes}
+    for round_ in range(args.rounds):
+        for mode in modes:
+            order = [True, False] if round_ % 2 == 0 else [False, True]  # A B, then B A: drift cancels
+            this_round = {}
+            for cached in order:
+                name = f"{mode if mode == 'greedy' else f'beam{args.beam}'} {'cached' if cached else 'uncached'}"
+                run = timed(translator, lines, mode, cached, name)
+                this_round[cached] = run
+                runs.setdefault(name, []).append(run)
+                print(f"round {round_ + 1}: {name:18s} {run.speed:8.1f} sent/s  ({run.seconds:.1f} s)", file=sys.stderr)
+            ratios[mode].append(this_round[True].speed / this_round[False].speed)
+            mismatched = sum(a != b for a, b in zip(this_round[True].outputs, this_round[False].outputs))
+            if mismatched:
+                print(f"warning: {mode}: {mismatched} sentences differ between cached and uncached", file=sys.stderr)
+    report(args, lines, runs, ratios)
+
+
+def report(
+    args: argparse.Namespace, lines: list[str], runs: dict[str, list[Run]], ratios: dict[str, list[float]]
+) -> None:
+    fixed = f", fixed length {args.fixed_length}" if args.fixed_length else ""
+    print(f"{len(lines)} sentences of {args.src}, {args.rounds} rounds, {args.threads} threads")
+    print(f"checkpoint {args.checkpoint}{fixed}")
+    print(f"{'run':18s} {'sent/s (median)':>16s} {'mean output tokens':>19s}")
+    for name, group in runs.items():
+        speed = statistics.median(r.speed for r in group)
+        print(f"{name:18s} {speed:16.1f} {group[0].tokens / group[0].sentences:19.1f}")
+    for mode, values in ratios.items():
+        shown = ", ".join(f"{v:.2f}" for v in values)
+        print(f"{mode}: cached / uncached speed = {statistics.median(values):.2f}x (median; rounds: {shown})")
+    if args.json:
+        summary = {
+            "args": vars(args),
+            "runs": {
+                name: {"sent_per_s": [r.speed for r in group], "mean_tokens": group[0].tokens / group[0].sentences}
+                for name, group in runs.items()
+            },
+            "ratios": ratios,
+        }
+        Path(args.json).write_text(json.dumps(summary, indent=2), encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
