@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
 import signal
 import time
 from pathlib import Path
@@ -68,13 +69,18 @@ def micro_batch_seed(seed: int, step: int, index: int) -> int:
 
 
 class StopSignal:
-    """Turns the first SIGINT/SIGTERM into a flag checked between updates, so a checkpoint can be saved.
+    """Turns SIGINT/SIGTERM into a flag checked between updates, so a checkpoint can be saved.
 
-    A second signal raises KeyboardInterrupt at once, for a user who does not want to wait.
+    Another signal more than `grace` seconds later raises KeyboardInterrupt at
+    once, for a user who does not want to wait. Signals within the grace period
+    are the same request: Ctrl-C reaches every process of the terminal's group,
+    and torchrun forwards it to its workers a second time.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, grace: float = 2.0) -> None:
         self.received: str | None = None
+        self.grace = grace
+        self._first = 0.0
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopSignal:
@@ -87,10 +93,11 @@ class StopSignal:
             signal.signal(sig, handler)
 
     def _handle(self, signum: int, frame: object) -> None:
-        if self.received is not None:
+        if self.received is None:
+            self.received, self._first = signal.Signals(signum).name, time.monotonic()
+            log.warning("%s received: stopping after this update (again to quit without saving)", self.received)
+        elif time.monotonic() - self._first > self.grace:
             raise KeyboardInterrupt
-        self.received = signal.Signals(signum).name
-        log.warning("%s received: stopping after this update (again to quit without saving)", self.received)
 
 
 class Trainer:
@@ -108,6 +115,8 @@ class Trainer:
         if t.threads:
             torch.set_num_threads(t.threads)
         dist.setup(self.device)
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device())  # this rank's GPU under torchrun
         self.main = dist.is_main()
         self._log_file = self._prepare_run_dir()
         resume = read_checkpoint(self.run_dir / LAST) if (self.run_dir / LAST).exists() else None
@@ -115,6 +124,8 @@ class Trainer:
         self.train_data, self.valid_data, self.valid_text = self._load_data()
         torch.manual_seed(t.seed)  # the same initial weights on every rank
         if t.deterministic:
+            if self.device.type == "cuda":
+                os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS refuses determinism without it
             torch.use_deterministic_algorithms(True)
         self.model = build_model(cfg.model, self.tokenizer.src_vocab_size, self.tokenizer.tgt_vocab_size)
         self.model.to(self.device)
@@ -176,8 +187,8 @@ class Trainer:
     def _wrap_ddp(self) -> DistributedDataParallel | None:
         if dist.world_size() == 1:
             return None
-        device_ids = [self.device.index if self.device.index is not None else torch.cuda.current_device()]
-        return DistributedDataParallel(self.model, device_ids=device_ids if self.device.type == "cuda" else None)
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(self.model, device_ids=device_ids)
 
     def _restore(self, data: dict[str, Any]) -> None:
         state = data.get("train_state")
