@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,6 +30,8 @@ from seq2seq.search import (
     uncached_search,
 )
 from seq2seq.tokenizer import BOS, EOS, PAD, UNK
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: a second thread only adds waiting
 
 A, B, C, D = 4, 5, 6, 7  # word tokens of the fake vocabulary; 0-3 are PAD, UNK, BOS, EOS
 V = 8
@@ -355,15 +357,6 @@ def test_no_repeat_ngram_in_search() -> None:
 
 
 # The trained tiny model: the cache and beam size 1 against their references.
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """A tiny model gains nothing from a second thread, and stalls badly on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -4,31 +4,21 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import queue
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import ROOT, reversal_pairs
+from conftest import ROOT, reversal_pairs, single_thread_env
 
 from seq2seq.cli import main
 from seq2seq.search import length_penalty
 from seq2seq.translate import Translation, Translator
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """A tiny model gains nothing from a second thread, and stalls badly on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: a second thread only adds waiting
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +113,7 @@ def test_cli_text_output_matches_the_library(checkpoint: Path, translator: Trans
 
 def test_interactive_translates_each_line_as_it_arrives(checkpoint: Path, tmp_path: Path) -> None:
     """Write one line, read its translation, then write the next: stdin is a stream, not a file."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**single_thread_env(), "PYTHONPATH": str(ROOT)}
     with open(tmp_path / "stderr.txt", "w") as stderr:
         proc = subprocess.Popen(
             [sys.executable, "-m", "seq2seq", "translate", "-c", str(checkpoint), "--interactive",
