@@ -100,7 +100,7 @@ def test_schedules_are_pure_functions_of_the_step() -> None:
 def test_accumulating_two_batches_equals_one_batch_of_their_union(small: Path, tmp_path: Path) -> None:
     trainer = Trainer(config(small, tmp_path / "run", "model.dropout=0"))
     try:
-        first, second = trainer._epoch_batches(1)[:2]
+        first, second = trainer.epoch_batches(1)[:2]
         parts = [collate(trainer.train_data, first), collate(trainer.train_data, second)]
         union = [collate(trainer.train_data, first + second)]
         results, grads = [], []

@@ -21,7 +21,6 @@ import dataclasses
 import logging
 import math
 import os
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -29,20 +28,19 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from seq2seq import metrics
 from seq2seq.checkpoint import (BEST, LAST, average_checkpoints, prune_step_checkpoints, read_checkpoint,
                                 remove_stale_temporaries, save_checkpoint, step_checkpoint_path,
                                 step_checkpoints)  # fmt: skip
 from seq2seq.config import ExperimentConfig, save_config, to_dict
 from seq2seq.data import Batch, EncodedCorpus, collate, encode_corpus, make_batches, read_parallel
-from seq2seq.model import build_model
+from seq2seq.model import Seq2SeqTransformer, build_model
 from seq2seq.tokenizer import Tokenizer, train_tokenizer
 from seq2seq.training import distributed as dist
-from seq2seq.training import monitor
+from seq2seq.training import monitor, validation
 from seq2seq.training.device import TrainingError, autocast, resolve_device, resolve_precision
 from seq2seq.training.loss import batch_loss
 from seq2seq.training.optim import build_optimizer, lr_at
-from seq2seq.translate import Translator
+from seq2seq.training.signals import StopSignal
 
 __all__ = ["TrainState", "Trainer", "TrainingError", "resolve_device", "step_checkpoints", "train"]
 
@@ -68,38 +66,6 @@ def micro_batch_seed(seed: int, step: int, index: int) -> int:
     return ((seed * 1_000_003 + step) * 10_007 + index) % (2**63)
 
 
-class StopSignal:
-    """Turns SIGINT/SIGTERM into a flag checked between updates, so a checkpoint can be saved.
-
-    Another signal more than `grace` seconds later raises KeyboardInterrupt at
-    once, for a user who does not want to wait. Signals within the grace period
-    are the same request: Ctrl-C reaches every process of the terminal's group,
-    and torchrun forwards it to its workers a second time.
-    """
-
-    def __init__(self, grace: float = 2.0) -> None:
-        self.received: str | None = None
-        self.grace = grace
-        self._first = 0.0
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> StopSignal:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def _handle(self, signum: int, frame: object) -> None:
-        if self.received is None:
-            self.received, self._first = signal.Signals(signum).name, time.monotonic()
-            log.warning("%s received: stopping after this update (again to quit without saving)", self.received)
-        elif time.monotonic() - self._first > self.grace:
-            raise KeyboardInterrupt
-
-
 class Trainer:
     """Trains the model an `ExperimentConfig` describes; `fit()` runs to the end.
 
@@ -107,32 +73,17 @@ class Trainer:
     """
 
     def __init__(self, cfg: ExperimentConfig, tokenizer: Tokenizer | None = None) -> None:
-        t = cfg.train
         self.cfg = cfg
-        self.run_dir = Path(t.run_dir)
-        self.device = resolve_device(t.device)
-        self.precision = resolve_precision(t.precision, self.device)
-        if t.threads:
-            torch.set_num_threads(t.threads)
-        dist.setup(self.device)
-        if self.device.type == "cuda":
-            self.device = torch.device("cuda", torch.cuda.current_device())  # this rank's GPU under torchrun
+        self.run_dir = Path(cfg.train.run_dir)
+        self.device, self.precision = self._setup_device()
         self.main = dist.is_main()
         self._log_file = self._prepare_run_dir()
         resume = read_checkpoint(self.run_dir / LAST) if (self.run_dir / LAST).exists() else None
         self.tokenizer = Tokenizer.from_state(resume["tokenizer"]) if resume else tokenizer or self._train_tokenizer()
         self.train_data, self.valid_data, self.valid_text = self._load_data()
-        torch.manual_seed(t.seed)  # the same initial weights on every rank
-        if t.deterministic:
-            if self.device.type == "cuda":
-                os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS refuses determinism without it
-            torch.use_deterministic_algorithms(True)
-        self.model = build_model(cfg.model, self.tokenizer.src_vocab_size, self.tokenizer.tgt_vocab_size)
-        self.model.to(self.device)
-        self.optimizer = build_optimizer(self.model, t)
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
+        self.model, self.optimizer, self.scaler = self._build()
         self.state = TrainState()
-        self.updates_per_epoch = math.ceil(len(self._epoch_batches(1)) / t.update_freq)
+        self.updates_per_epoch = math.ceil(len(self.epoch_batches(1)) / cfg.train.update_freq)
         self._bad_steps = 0
         if resume is not None:
             self._restore(resume)
@@ -149,6 +100,22 @@ class Trainer:
                  self.precision, dist.world_size())  # fmt: skip
 
     # Set-up.
+
+    def _setup_device(self) -> tuple[torch.device, str]:
+        """Device, precision, threads and (under torchrun) the process group."""
+        t = self.cfg.train
+        device = resolve_device(t.device)
+        precision = resolve_precision(t.precision, device)
+        if t.threads:
+            torch.set_num_threads(t.threads)
+        dist.setup(device)
+        if device.type == "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())  # this rank's GPU under torchrun
+        if t.deterministic:
+            if device.type == "cuda":
+                os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS refuses determinism without it
+            torch.use_deterministic_algorithms(True)
+        return device, precision
 
     def _prepare_run_dir(self) -> logging.Handler | None:
         """Create the run directory and the log file; quiet the other ranks' console logs."""
@@ -183,6 +150,13 @@ class Trainer:
         valid = encode_corpus(self.tokenizer, valid_src, valid_tgt, valid_len, f"{d.dir}/{d.valid}")
         log.info("data: %d training pairs, %d validation pairs", len(train), len(valid))
         return train, valid, (valid_src, valid_tgt)
+
+    def _build(self) -> tuple[Seq2SeqTransformer, torch.optim.Optimizer, torch.amp.GradScaler]:
+        torch.manual_seed(self.cfg.train.seed)  # the same initial weights on every rank
+        model = build_model(self.cfg.model, self.tokenizer.src_vocab_size, self.tokenizer.tgt_vocab_size)
+        model.to(self.device)
+        scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
+        return model, build_optimizer(model, self.cfg.train), scaler
 
     def _wrap_ddp(self) -> DistributedDataParallel | None:
         if dist.world_size() == 1:
@@ -237,7 +211,7 @@ class Trainer:
     def _run_epoch(self) -> str:
         """Train on the rest of the current epoch; returns why training must stop, or ''."""
         t, s = self.cfg.train, self.state
-        batches = self._epoch_batches(s.epoch)
+        batches = self.epoch_batches(s.epoch)
         total, done = math.ceil(len(batches) / t.update_freq), math.ceil(s.batch_in_epoch / t.update_freq)
         with monitor.progress(total, done, f"epoch {s.epoch}", enabled=self.main) as bar:
             for start in range(s.batch_in_epoch, len(batches), t.update_freq):
@@ -278,7 +252,7 @@ class Trainer:
             self._validate_and_save()
         log.info("training finished at step %d, epoch %d (%s)", s.step, s.epoch, reason.replace("_", " "))
 
-    def _epoch_batches(self, epoch: int) -> list[list[int]]:
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
         """This rank's batches of an epoch: a pure function of (seed, epoch, rank)."""
         t = self.cfg.train
         batches = make_batches(self.train_data.lengths(), t.max_tokens, seed=t.seed * 100_003 + epoch)
@@ -408,35 +382,22 @@ class Trainer:
                  key, s.best, f", {s.bad_validations} without improvement" if s.bad_validations else "")  # fmt: skip
         return improved
 
-    @torch.no_grad()
     def validate(self) -> dict[str, float]:
         """Validation loss, perplexity and (if train.valid_bleu) BLEU; written to TensorBoard."""
-        self.model.eval()
-        loss_sum = nll_sum = tokens = 0.0
-        for indices in make_batches(self.valid_data.lengths(), self.cfg.train.max_tokens):
-            batch = collate(self.valid_data, indices).to(self.device)
-            with autocast(self.precision, self.device):
-                loss, nll = batch_loss(self.model, batch, self.cfg.train.label_smoothing)
-            loss_sum, nll_sum, tokens = loss_sum + loss.item(), nll_sum + nll.item(), tokens + batch.n_tokens
-        self.model.train()
-        scores = {"loss": loss_sum / tokens, "nll": nll_sum / tokens, "ppl": math.exp(min(nll_sum / tokens, 50))}
-        if self.cfg.train.valid_bleu:
-            scores["bleu"] = self._valid_bleu()
+        t, step = self.cfg.train, self.state.step
+        scores = validation.loss_scores(self.model, self.valid_data, t.max_tokens, t.label_smoothing, self.precision,
+                                        self.device)  # fmt: skip
+        if t.valid_bleu:
+            sources, references = self.valid_text
+            hypotheses = validation.translations(self.model, self.tokenizer, self.cfg.decode, sources, self.device)
+            scores["bleu"] = validation.bleu(hypotheses, references)
+            if self.writer is not None:
+                self.writer.add_text("valid/examples", validation.examples(sources, hypotheses, references), step)
         if self.writer is not None:
             for name, value in scores.items():
-                self.writer.add_scalar(f"valid/{name}", value, self.state.step)
-            self.writer.add_scalar("valid/minutes", self._elapsed() / 60, self.state.step)
+                self.writer.add_scalar(f"valid/{name}", value, step)
+            self.writer.add_scalar("valid/minutes", self._elapsed() / 60, step)
         return scores
-
-    def _valid_bleu(self) -> float:
-        """BLEU of the detokenized validation translations, through the same path as `seq2seq translate`."""
-        src, refs = self.valid_text
-        translator = Translator(self.model, self.tokenizer, self.cfg.decode, self.device)
-        hyps = translator.translate(src, strategy=self.cfg.decode.valid_strategy)
-        if self.writer is not None:
-            examples = [f"    {s}\n    -> {h}\n    (ref) {r}" for s, h, r in list(zip(src, hyps, refs))[:3]]
-            self.writer.add_text("valid/examples", "\n\n".join(examples), self.state.step)
-        return metrics.bleu(hyps, refs).score
 
     def _save(self, improved: bool = False, keep: bool = False) -> None:
         """Write checkpoints on rank 0; checkpoint_last last, as the commit point of a resume."""

@@ -1,0 +1,59 @@
+"""Validation scores: loss and perplexity by teacher forcing, BLEU by decoding.
+
+BLEU goes through `Translator`, the path `seq2seq translate` uses, and is
+computed by sacreBLEU on detokenized text, so validation BLEU and
+`seq2seq evaluate` measure the same thing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from seq2seq import metrics
+from seq2seq.config import DecodeConfig
+from seq2seq.data import EncodedCorpus, collate, make_batches
+from seq2seq.model import Seq2SeqTransformer
+from seq2seq.tokenizer import Tokenizer
+from seq2seq.training.device import autocast
+from seq2seq.training.loss import batch_loss
+from seq2seq.translate import Translator
+
+
+@torch.no_grad()
+def loss_scores(
+    model: Seq2SeqTransformer, data: EncodedCorpus, max_tokens: int, epsilon: float, precision: str,
+    device: torch.device,
+) -> dict[str, float]:  # fmt: skip
+    """Per-token smoothed loss, NLL and perplexity over a corpus."""
+    was_training = model.training
+    model.eval()
+    loss_sum = nll_sum = tokens = 0.0
+    try:
+        for indices in make_batches(data.lengths(), max_tokens):
+            batch = collate(data, indices).to(device)
+            with autocast(precision, device):
+                loss, nll = batch_loss(model, batch, epsilon)
+            loss_sum, nll_sum, tokens = loss_sum + loss.item(), nll_sum + nll.item(), tokens + batch.n_tokens
+    finally:
+        model.train(was_training)
+    return {"loss": loss_sum / tokens, "nll": nll_sum / tokens, "ppl": math.exp(min(nll_sum / tokens, 50))}
+
+
+def translations(
+    model: Seq2SeqTransformer, tokenizer: Tokenizer, decode: DecodeConfig, sources: Sequence[str], device: torch.device
+) -> list[str]:
+    """Detokenized translations with `decode.valid_strategy` (greedy or beam)."""
+    return Translator(model, tokenizer, decode, device).translate(sources, strategy=decode.valid_strategy)
+
+
+def bleu(hypotheses: Sequence[str], references: Sequence[str]) -> float:
+    return metrics.bleu(hypotheses, references).score
+
+
+def examples(sources: Sequence[str], hypotheses: Sequence[str], references: Sequence[str], n: int = 3) -> str:
+    """A few translations beside their sources and references, as TensorBoard text (markdown)."""
+    rows = [f"    {s}\n    -> {h}\n    (ref) {r}" for s, h, r in list(zip(sources, hypotheses, references))[:n]]
+    return "\n\n".join(rows)
