@@ -22,6 +22,7 @@ from seq2seq.config import ExperimentConfig, load_config
 from seq2seq.data import collate
 from seq2seq.training import trainer as trainer_module
 from seq2seq.training.optim import lr_at
+from seq2seq.training.device import resolve_precision
 from seq2seq.training.trainer import Trainer, TrainingError, train
 
 # Small batches of a small corpus: 14 batches an epoch, a few milliseconds an update. One thread: on a
@@ -118,6 +119,23 @@ def test_accumulating_two_batches_equals_one_batch_of_their_union(small: Path, t
         assert 0.01 < norm < 100
     finally:
         trainer.close()
+
+
+# Precision.
+
+
+def test_precision_choices_on_cpu() -> None:
+    cpu = torch.device("cpu")
+    assert resolve_precision("auto", cpu) == "fp32"  # see scripts/bench_train.py
+    assert resolve_precision("bf16", cpu) == "bf16"
+    with pytest.raises(TrainingError, match="fp16 needs CUDA"):
+        resolve_precision("fp16", cpu)
+
+
+def test_bf16_autocast_trains_on_cpu(small: Path, tmp_path: Path) -> None:
+    state = train(config(small, tmp_path / "run", "train.precision=bf16", "train.max_steps=3"))
+    assert state.step == 3 and math.isfinite(state.best)
+    assert all(t.dtype == torch.float32 for t in weights(tmp_path / "run").values() if t.is_floating_point())
 
 
 # Exact resume.
@@ -218,6 +236,7 @@ def test_kill_9_leaves_only_complete_checkpoints_and_the_run_resumes(small: Path
                          f"train.max_steps={saved + 2}"))  # fmt: skip
     assert state.step == saved + 2
     assert not list(run.glob(".*.tmp"))
+    assert len(list(run.glob("checkpoint_step*.pt"))) == 2  # train.keep_last
 
 
 # Non-finite losses.
@@ -278,12 +297,16 @@ def test_best_checkpoint_by_metric_and_early_stopping(
     monkeypatch.setattr(Trainer, "validate", validate)
     run = tmp_path / "run"
     state = train(config(small, run, f"train.best_metric={metric}", "train.patience=2", "train.valid_every=1",
-                         "train.keep_last=10", "train.max_steps=20"))  # fmt: skip
+                         "train.keep_last=3", "train.average_last=2", "train.max_steps=20"))  # fmt: skip
     assert state.step == 4, "two validations without improvement after the best (step 2) stop the run"
     assert (state.best, state.best_metric, state.bad_validations) == (scores[1], metric, 2)
     best, step2 = weights(run, "checkpoint_best.pt"), weights(run, "checkpoint_step2.pt")
     assert all(torch.equal(best[k], step2[k]) for k in best)
     assert "(patience)" in (run / "train.log").read_text()
+    assert sorted(p.name for p in run.glob("checkpoint_step*.pt")) == [f"checkpoint_step{n}.pt" for n in (2, 3, 4)]
+    step3, step4 = weights(run, "checkpoint_step3.pt"), weights(run, "checkpoint_step4.pt")
+    for name, tensor in weights(run, "checkpoint_avg.pt").items():  # train.average_last
+        torch.testing.assert_close(tensor, ((step3[name].double() + step4[name].double()) / 2).float())
 
 
 # Logging.
