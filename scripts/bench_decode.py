@@ -125,10 +125,10 @@ def report(
     fixed = f", fixed length {args.fixed_length}" if args.fixed_length else ""
     print(f"{len(lines)} sentences of {args.src}, {args.rounds} rounds, {args.threads} threads")
     print(f"checkpoint {args.checkpoint}{fixed}")
-    print(f"{'run':18s} {'sent/s (median)':>16s} {'mean output tokens':>19s}")
+    print(f"{'run':18s} {'sent/s (median)':>16s} {'mean output tokens (+EOS)':>26s}")
     for name, group in runs.items():
         speed = statistics.median(r.speed for r in group)
-        print(f"{name:18s} {speed:16.1f} {group[0].tokens / group[0].sentences:19.1f}")
+        print(f"{name:18s} {speed:16.1f} {group[0].tokens / group[0].sentences:26.1f}")
     for mode, values in ratios.items():
         shown = ", ".join(f"{v:.2f}" for v in values)
         print(f"{mode}: cached / uncached speed = {statistics.median(values):.2f}x (median; rounds: {shown})")

@@ -12,11 +12,15 @@ i may have at most max_len_i = floor(a * s_i + b) tokens before its EOS, with
 s_i its non-padding source tokens (EOS included), a = decode.max_len_a,
 b = decode.max_len_b, capped by decode.max_len and the model's positions, and
 raised to decode.min_len. EOS is forbidden before min_len tokens and forced
-after max_len_i; a forced EOS scores the model's own log-probability.
+after max_len_i; a forced EOS scores the model's own log-probability. A row
+left with no allowed token (n-gram blocking, tiny vocabularies) also ends.
 
 Scores. A hypothesis with summed token log-probability L scores L / lp(n), with
-the GNMT length penalty lp(n) = ((5 + n) / 6) ** alpha (Wu et al., 2016, eq. 14;
-alpha = decode.length_penalty; alpha = 0 ranks by the plain sum).
+the GNMT length penalty lp(n) = ((5 + n) / 6) ** alpha (Wu et al., 2016, eq. 14,
+without the coverage penalty; alpha = decode.length_penalty; alpha = 0 ranks by
+the plain sum). Token log-probabilities are the model's (log-softmax of its
+logits, before any masking or temperature). The penalty ranks finished
+hypotheses; live ones, all of one length at a step, compete on L.
 
 Stopping rule (beam search, as in fairseq). Each step takes the 2K best
 extensions of a sentence's K live hypotheses by summed log-probability. EOS
