@@ -203,8 +203,9 @@ def _format(result: Translation, fmt: str) -> str:
             "translation": result.text,
             "score": result.hypotheses[0].score if result.hypotheses else None,
             "nbest": [
-                {"translation": text, "score": h.score, "tokens": h.tokens, "token_logprobs": h.token_scores}
-                for text, h in zip(result.texts, result.hypotheses)
+                {"translation": text, "score": h.score, "tokens": h.tokens, "pieces": pieces,
+                 "token_logprobs": h.token_scores}
+                for text, pieces, h in zip(result.texts, result.pieces, result.hypotheses)
             ],
         },
         ensure_ascii=False,

@@ -31,6 +31,7 @@ class Translation:
     source: str
     hypotheses: list[Hypothesis]  # best first; empty for an empty input line
     texts: list[str]  # detokenized hypotheses
+    pieces: list[list[str]]  # the subwords of each hypothesis, one per token score
 
     @property
     def text(self) -> str:
@@ -88,7 +89,12 @@ class Translator:
         finally:
             self.model.train(was_training)
         return [
-            Translation(line, hyps, [self.tokenizer.decode_tgt(h.tokens) for h in hyps])
+            Translation(
+                line,
+                hyps,
+                [self.tokenizer.decode_tgt(h.tokens) for h in hyps],
+                [self.tokenizer.tgt_pieces(h.tokens) for h in hyps],
+            )
             for line, hyps in zip(lines, results)
         ]
 

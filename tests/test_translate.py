@@ -100,7 +100,8 @@ def test_cli_jsonl_has_nbest_scores_and_token_logprobs(checkpoint: Path, tmp_pat
         assert [h["score"] for h in nbest] == sorted((h["score"] for h in nbest), reverse=True)
         assert record["score"] == nbest[0]["score"] and record["translation"] == nbest[0]["translation"]
         for h in nbest:
-            assert len(h["token_logprobs"]) == len(h["tokens"]) and all(lp <= 0 for lp in h["token_logprobs"])
+            assert len(h["token_logprobs"]) == len(h["tokens"]) == len(h["pieces"])
+            assert all(lp <= 0 for lp in h["token_logprobs"]) and h["pieces"][-1] == "</s>"
             assert h["score"] == pytest.approx(sum(h["token_logprobs"]) / length_penalty(len(h["tokens"]), 1.0))
 
 
