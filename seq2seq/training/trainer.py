@@ -75,29 +75,38 @@ class Trainer:
     def __init__(self, cfg: ExperimentConfig, tokenizer: Tokenizer | None = None) -> None:
         self.cfg = cfg
         self.run_dir = Path(cfg.train.run_dir)
+        self.writer: Any = None
         self.device, self.precision = self._setup_device()
         self.main = dist.is_main()
         self._log_file = self._prepare_run_dir()
+        try:
+            self._load(tokenizer)
+        except BaseException:
+            self.close()  # a failed start must not leave the log file attached or the process group up
+            raise
+        n_params = sum(p.numel() for p in self.model.parameters())
+        log.info("model: %.2fM parameters; device %s, %s, %d process(es)", n_params / 1e6, self.device,
+                 self.precision, dist.world_size())  # fmt: skip
+
+    def _load(self, tokenizer: Tokenizer | None) -> None:
+        """Tokenizer, data, model and optimizer, then the checkpoint's state if there is one."""
         resume = read_checkpoint(self.run_dir / LAST) if (self.run_dir / LAST).exists() else None
         self.tokenizer = Tokenizer.from_state(resume["tokenizer"]) if resume else tokenizer or self._train_tokenizer()
         self.train_data, self.valid_data, self.valid_text = self._load_data()
         self.model, self.optimizer, self.scaler = self._build()
         self.state = TrainState()
-        self.updates_per_epoch = math.ceil(len(self.epoch_batches(1)) / cfg.train.update_freq)
+        self.updates_per_epoch = math.ceil(len(self.epoch_batches(1)) / self.cfg.train.update_freq)
         self._bad_steps = 0
         if resume is not None:
             self._restore(resume)
         self.ddp = self._wrap_ddp()
         if self.main:
-            save_config(cfg, self.run_dir / "config.yaml")
+            save_config(self.cfg, self.run_dir / "config.yaml")
             self.tokenizer.save(self.run_dir)
-        self.writer = monitor.tensorboard(self.run_dir / "tb", self.state.step) if self.main else None
+            self.writer = monitor.tensorboard(self.run_dir / "tb", self.state.step)
         self.meter = monitor.Meter()
         self.stop = StopSignal()
         self.start_time = time.monotonic()
-        n_params = sum(p.numel() for p in self.model.parameters())
-        log.info("model: %.2fM parameters; device %s, %s, %d process(es)", n_params / 1e6, self.device,
-                 self.precision, dist.world_size())  # fmt: skip
 
     # Set-up.
 

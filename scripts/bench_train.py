@@ -1,0 +1,162 @@
+"""Training throughput on real Multi30k batches: fp32 against bf16 autocast, in one process.
+
+Measures target tokens per second of whole training updates (forward,
+backward, clipping, Adam step) through `Trainer.train_step`, the code path
+`seq2seq train` runs, for two models:
+
+- quickstart: configs/quickstart.yaml (3+3 layers, d_model 256, d_ff 1024)
+- big: 6+6 layers, d_model 512, 8 heads, d_ff 2048
+
+This machine's speed drifts by up to 3x within minutes, so the precisions are
+interleaved round by round (the order alternating) on the same batches, and
+each round yields a bf16/fp32 ratio; the report gives medians. Compare
+numbers only within one run.
+
+    .venv/bin/python scripts/bench_train.py --rounds 5 --steps 2
+    .venv/bin/python scripts/bench_train.py --spm runs/quickstart/spm.model --models big
+
+What it found on the development machine (AMD EPYC, 2 cores, torch 2.13 CPU,
+avx512_bf16 but no AMX; `--rounds 5 --steps 2`, batches of 3,686 target
+tokens, medians) decides `train.precision=auto` on CPU, see
+`seq2seq.training.device.resolve_precision`:
+
+    matmul 4096x512 @ 512x2048: fp32 154 GFLOP/s, bf16 822 GFLOP/s (5.33x)
+    quickstart (7.6M): fp32 1,994 tok/s, bf16 3,305 tok/s, ratio 1.66 (1.50-1.77)
+    big (48.2M):       fp32   428 tok/s, bf16 1,061 tok/s, ratio 2.36 (2.13-2.57)
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from seq2seq.config import ExperimentConfig, load_config  # noqa: E402
+from seq2seq.data import Batch, collate, read_parallel  # noqa: E402
+from seq2seq.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
+from seq2seq.training.trainer import Trainer  # noqa: E402
+
+MODELS = {
+    "quickstart": [],
+    "big": ["model.d_model=512", "model.n_heads=8", "model.d_ff=2048", "model.encoder_layers=6",
+            "model.decoder_layers=6"],  # fmt: skip
+}
+PRECISIONS = ("fp32", "bf16")
+
+
+def main() -> None:
+    args = _parse()
+    torch.set_num_threads(args.threads)
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger().handlers[0].setLevel(logging.WARNING)  # the run log goes to the temporary run dir
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU: {_cpu()}")
+    _bench_matmul(args.rounds)
+    tokenizer = _tokenizer(args)
+    for name in args.models:
+        with tempfile.TemporaryDirectory() as run_dir:
+            cfg = _config(args, name, run_dir)
+            trainer = Trainer(cfg, tokenizer)
+            try:
+                _bench(trainer, name, args)
+            finally:
+                trainer.close()
+
+
+def _parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", default=str(ROOT / "data/multi30k"), help="Multi30k directory (train.de/en[.gz])")
+    p.add_argument("--spm", help="a shared SentencePiece model (e.g. RUN/spm.model); default: train one")
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--max-tokens", type=int, default=4096, help="batch token budget (padded, larger side)")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per model")
+    p.add_argument("--steps", type=int, default=3, help="timed updates per precision per round")
+    p.add_argument("--threads", type=int, default=2)
+    return p.parse_args()
+
+
+def _cpu() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+    wanted = ["avx512f", "avx512_bf16", "amx_bf16", "amx_tile"]
+    return f"{model}; " + ", ".join(f"{f}={'yes' if f in flags else 'no'}" for f in wanted)
+
+
+def _tokenizer(args: argparse.Namespace) -> Tokenizer:
+    if args.spm:
+        return Tokenizer(Path(args.spm).read_bytes())
+    t0 = time.perf_counter()
+    src, tgt = read_parallel(args.data, "train", "de", "en")
+    tokenizer = train_tokenizer(src, tgt, 8000, shared=True)
+    print(f"trained an 8000-piece SentencePiece model in {time.perf_counter() - t0:.0f} s")
+    return tokenizer
+
+
+def _config(args: argparse.Namespace, name: str, run_dir: str) -> ExperimentConfig:
+    overrides = [f"data.dir={args.data}", f"train.run_dir={run_dir}", "train.device=cpu", "train.valid_bleu=false",
+                 f"train.max_tokens={args.max_tokens}", f"train.threads={args.threads}", *MODELS[name]]  # fmt: skip
+    return load_config(ROOT / "configs/quickstart.yaml", overrides)
+
+
+def _bench(trainer: Trainer, name: str, args: argparse.Namespace) -> None:
+    """Interleave the precisions round by round on the same batches; print per-round rates and medians."""
+    batches = [collate(trainer.train_data, b) for b in trainer.epoch_batches(1)[: args.steps * args.rounds]]
+    n_params = sum(p.numel() for p in trainer.model.parameters()) / 1e6
+    mean_tokens = statistics.mean(b.n_tokens for b in batches)
+    print(f"\n{name}: {n_params:.1f}M parameters, batches of {mean_tokens:.0f} target tokens on average")
+    for precision in PRECISIONS:  # warm-up: kernel selection, allocator
+        _rate(trainer, precision, batches[:1])
+    rates: dict[str, list[float]] = {p: [] for p in PRECISIONS}
+    ratios = []
+    for r in range(args.rounds):
+        chunk = batches[r * args.steps : (r + 1) * args.steps]
+        order = PRECISIONS if r % 2 == 0 else PRECISIONS[::-1]
+        now = {p: _rate(trainer, p, chunk) for p in order}
+        for p in PRECISIONS:
+            rates[p].append(now[p])
+        ratios.append(now["bf16"] / now["fp32"])
+        print(f"  round {r + 1}: " + ", ".join(f"{p} {now[p]:.0f} tok/s" for p in PRECISIONS) +
+              f", bf16/fp32 {ratios[-1]:.2f}")  # fmt: skip
+    medians = ", ".join(f"{p} {statistics.median(rates[p]):.0f} tok/s" for p in PRECISIONS)
+    print(f"  median: {medians}; bf16/fp32 ratio median {statistics.median(ratios):.2f} "
+          f"(min {min(ratios):.2f}, max {max(ratios):.2f})")  # fmt: skip
+
+
+def _bench_matmul(rounds: int) -> None:
+    """GFLOP/s of one feed-forward-sized matmul (4096 x 512 @ 512 x 2048) in fp32 and bf16, interleaved."""
+    a, b = torch.randn(4096, 512), torch.randn(512, 2048)
+    speeds: dict[str, list[float]] = {"fp32": [], "bf16": []}
+    for _ in range(rounds):
+        for name, (x, y) in (("fp32", (a, b)), ("bf16", (a.bfloat16(), b.bfloat16()))):
+            x @ y  # warm-up
+            start, n = time.perf_counter(), 5
+            for _ in range(n):
+                x @ y
+            speeds[name].append(2 * 4096 * 512 * 2048 * n / (time.perf_counter() - start) / 1e9)
+    fp32, bf16 = statistics.median(speeds["fp32"]), statistics.median(speeds["bf16"])
+    print(f"matmul 4096x512 @ 512x2048: fp32 {fp32:.0f} GFLOP/s, bf16 {bf16:.0f} GFLOP/s ({bf16 / fp32:.2f}x)")
+
+
+def _rate(trainer: Trainer, precision: str, batches: list[Batch]) -> float:
+    """Target tokens per second of full training updates, one batch per update."""
+    trainer.precision = precision
+    start = time.perf_counter()
+    for batch in batches:
+        trainer.train_step([batch])
+    return sum(b.n_tokens for b in batches) / (time.perf_counter() - start)
+
+
+if __name__ == "__main__":
+    main()
