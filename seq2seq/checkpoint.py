@@ -129,9 +129,12 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"checkpoint not found: {path}")
     try:
-        data = torch.load(path, map_location="cpu", weights_only=False)
-    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as e:
-        raise CheckpointError(f"{path}: not a readable checkpoint (corrupt or truncated?): {str(e).splitlines()[0]}") from None
+        # weights_only: a checkpoint is data (tensors, numbers, strings, bytes), never code to run.
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError,
+            OverflowError, MemoryError, UnicodeDecodeError) as e:  # fmt: skip
+        first_line = (str(e).splitlines() or [type(e).__name__])[0]
+        raise CheckpointError(f"{path}: not a readable checkpoint (corrupt or truncated?): {first_line}") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a seq2seq checkpoint")
     return data

@@ -101,7 +101,7 @@ class TrainConfig:
     update_freq: int = 1  # batches accumulated into one optimizer step
     max_epochs: int = 20
     max_steps: int = 0  # 0: no limit
-    max_minutes: float = 0.0  # wall-clock budget of this run; 0: no limit
+    max_minutes: float = 0.0  # training-time budget, counted across resumes; 0: no limit
     optimizer: Literal["adam", "adamw"] = "adam"
     lr: float = 7e-4
     betas: tuple[float, float] = (0.9, 0.98)
