@@ -157,10 +157,10 @@ class DecodeConfig:
     strategy: Literal["beam", "greedy", "sample"] = "beam"
     beam_size: int = 5
     length_penalty: float = 1.0  # GNMT alpha: score / ((5 + len) / 6) ** alpha
-    max_len_a: float = 1.5  # max output length = a * source length + b ...
-    max_len_b: int = 10
+    max_len_a: float = 1.5  # tokens allowed before EOS = floor(a * source length + b) ...
+    max_len_b: int = 10  # (source length in subwords, its EOS included)
     max_len: int = 256  # ... capped at this
-    min_len: int = 1
+    min_len: int = 1  # tokens required before EOS
     nbest: int = 1
     no_repeat_ngram: int = 0  # 0: off
     suppress_unk: bool = False
@@ -169,7 +169,7 @@ class DecodeConfig:
     top_p: float = 1.0  # 1.0: off
     seed: int = 1
     max_tokens: int = 6000  # source tokens per decoding batch
-    max_input_len: int = 0  # longer inputs are truncated with a warning; 0: model.max_positions
+    max_input_len: int = 0  # subwords (EOS included); longer inputs are truncated with a warning; 0: model limit
     valid_strategy: Literal["beam", "greedy"] = "greedy"  # used for validation BLEU
 
     def __post_init__(self) -> None:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from seq2seq.checkpoint import load_checkpoint
-from seq2seq.config import DecodeConfig, ExperimentConfig
+from seq2seq.config import DecodeConfig, ExperimentConfig, from_dict, to_dict
 from seq2seq.data import make_batches, pad
 from seq2seq.model import Seq2SeqTransformer
 from seq2seq.search import Hypothesis, SearchFn, search
@@ -61,7 +61,10 @@ class Translator:
     def from_checkpoint(cls, path: str | Path, device: str | torch.device = "cpu", **decode: object) -> Translator:
         """Load a checkpoint; keyword arguments override its stored decode settings."""
         loaded = load_checkpoint(path, device)
-        return cls(loaded.model, loaded.tokenizer, replace(loaded.config.decode, **decode), device, loaded.config)
+        raw = to_dict(loaded.config)
+        raw["decode"].update(decode)
+        config = from_dict(raw, source="Translator.from_checkpoint")  # the same checks as a config file
+        return cls(loaded.model, loaded.tokenizer, config.decode, device, config)
 
     def translate(self, lines: Sequence[str], strategy: str | None = None) -> list[str]:
         """Best translation of each line."""

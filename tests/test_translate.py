@@ -15,6 +15,7 @@ import pytest
 from conftest import ROOT, reversal_pairs, single_thread_env
 
 from seq2seq.cli import main
+from seq2seq.config import ConfigError
 from seq2seq.search import length_penalty
 from seq2seq.translate import Translation, Translator
 
@@ -173,3 +174,11 @@ def test_evaluate_a_checkpoint(
     bleu = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("BLEU = "))
     assert float(bleu.split()[2]) > 80
     assert len(save.read_text(encoding="utf-8").splitlines()) == 100
+
+
+def test_from_checkpoint_overrides_are_validated(trained_run: Path) -> None:
+    """Keyword overrides go through the same checks as a config file, and the stored config follows them."""
+    translator = Translator.from_checkpoint(trained_run / "checkpoint_best.pt", beam_size=3)
+    assert translator.decode.beam_size == 3 and translator.config.decode.beam_size == 3
+    with pytest.raises(ConfigError, match="decode.beam_size"):
+        Translator.from_checkpoint(trained_run / "checkpoint_best.pt", beam_size="wide")
