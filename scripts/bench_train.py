@@ -5,6 +5,7 @@ backward, clipping, Adam step) through `Trainer.train_step`, the code path
 `seq2seq train` runs, for two models:
 
 - quickstart: configs/quickstart.yaml (3+3 layers, d_model 256, d_ff 1024)
+- tiny: 4+4 layers, d_model 128, d_ff 256 (the shape of fairseq's transformer_tiny)
 - big: 6+6 layers, d_model 512, 8 heads, d_ff 2048
 
 This machine's speed drifts by up to 3x within minutes, so the precisions are
@@ -47,6 +48,8 @@ from seq2seq.training.trainer import Trainer  # noqa: E402
 
 MODELS = {
     "quickstart": [],
+    "tiny": ["model.d_model=128", "model.n_heads=4", "model.d_ff=256", "model.encoder_layers=4",
+             "model.decoder_layers=4"],  # fmt: skip
     "big": ["model.d_model=512", "model.n_heads=8", "model.d_ff=2048", "model.encoder_layers=6",
             "model.decoder_layers=6"],  # fmt: skip
 }

@@ -2,87 +2,137 @@
 
     python scripts/run_recipe.py configs/m30k_de_en.yaml [section.key=value ...]
 
-Downloads the language pair (SEQ2SEQ_DATA_MIRROR for a local copy), trains
-(resuming if the run directory has a checkpoint), averages the last
-checkpoints when the config asks for it, decodes test_2016_flickr with the
-config's decode settings, and scores it two ways:
+1. Download the language pair (SEQ2SEQ_DATA_MIRROR for a local copy).
+2. Train. A run directory with a checkpoint resumes; a run that already
+   reached its budget just stops again, so re-running only re-scores.
+3. Average the last k epoch checkpoints, for each k of --average.
+4. Pick, on val, the best of checkpoint_best and the averages, decoding with
+   the config's decode settings (the command line's overrides included).
+5. Decode test_2016_flickr once, with the picked checkpoint, and score it:
+   - sacreBLEU's default (cased, detokenized, 13a): the headline score;
+   - lower-cased Moses-tokenized BLEU against the dataset's `lc.norm.tok`
+     references with `tokenize='none'`: the convention of published Multi30k
+     numbers (see seq2seq.metrics.tokenized_bleu).
 
-- sacreBLEU's default (cased, detokenized, 13a): the headline score;
-- lower-cased Moses-tokenized BLEU against the dataset's `lc.norm.tok`
-  references with `tokenize='none'`: the convention of published Multi30k
-  numbers (see seq2seq.metrics.tokenized_bleu).
-
-Writes `results.json` and `results.md` into the run directory.
+Writes `results.json`, `results.md` and the val/test translations into the
+run directory.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import torch
+
 from seq2seq import metrics
-from seq2seq.config import load_config
+from seq2seq.checkpoint import average_checkpoints, load_checkpoint, read_checkpoint, step_checkpoints
+from seq2seq.config import ExperimentConfig, load_config
 from seq2seq.data import find_file, read_lines
 from seq2seq.translate import Translator
+
+LAST = "checkpoint_last.pt"
 
 
 def seq2seq(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "seq2seq", *args], check=True)
 
 
-def score(checkpoint: Path, src: list[str], refs: list[str], tok_refs: list[str] | None, lang: str) -> dict:
-    start = time.monotonic()
-    translator = Translator.from_checkpoint(checkpoint)
-    hyps = translator.translate(src)
-    result = {
-        "checkpoint": checkpoint.name,
-        "sacrebleu": round(metrics.bleu(hyps, refs).score, 2),
-        "chrf": round(metrics.chrf(hyps, refs).score, 2),
-        "signature": metrics.bleu(hyps, refs).signature,
-        "decode_seconds": round(time.monotonic() - start, 1),
-    }
-    if tok_refs is not None:
-        result["tok_lc_bleu"] = round(metrics.tokenized_bleu(hyps, tok_refs, lang).score, 2)
-    (checkpoint.parent / f"test.{checkpoint.stem}.{lang}").write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
-    return result
+def averages(run_dir: Path, sizes: list[int]) -> list[Path]:
+    """checkpoint_avg{k}.pt from the last k epoch checkpoints, for each k (fewer if fewer exist)."""
+    paths = step_checkpoints(run_dir)
+    out = []
+    for k in sizes:
+        if len(paths) >= 2:
+            k = min(k, len(paths))
+            out.append(run_dir / f"checkpoint_avg{k}.pt")
+            average_checkpoints(paths[-k:], out[-1])
+    return list(dict.fromkeys(out))
+
+
+def translate(checkpoint: Path, cfg: ExperimentConfig, split: str) -> list[str]:
+    """Translate one split with the recipe's decode settings; the output is saved beside the checkpoint."""
+    translator = Translator.from_checkpoint(checkpoint, **dataclasses.asdict(cfg.decode))
+    hyps = translator.translate(read_lines(find_file(cfg.data.dir, split, cfg.data.src_lang)))
+    (checkpoint.parent / f"{split}.{checkpoint.stem}.{cfg.data.tgt_lang}").write_text(
+        "".join(h + "\n" for h in hyps), encoding="utf-8"
+    )
+    return hyps
+
+
+def test_scores(hyps: list[str], cfg: ExperimentConfig) -> dict:
+    d = cfg.data
+    refs = read_lines(find_file(d.dir, d.test, d.tgt_lang))
+    bleu = metrics.bleu(hyps, refs)
+    scores = {"sacrebleu": round(bleu.score, 2), "chrf": round(metrics.chrf(hyps, refs).score, 2),
+              "ter": round(metrics.ter(hyps, refs).score, 2), "signature": bleu.signature}  # fmt: skip
+    tok_path = Path(d.dir) / "tok" / f"{d.test}.lc.norm.tok.{d.tgt_lang}"
+    if tok_path.is_file():
+        scores["tok_lc_bleu"] = round(metrics.tokenized_bleu(hyps, read_lines(tok_path), d.tgt_lang).score, 2)
+    return scores
+
+
+def markdown(results: dict) -> str:
+    t = results["test"]
+    lines = [
+        "| pair | params | updates | full epochs | train min | checkpoint (picked on val) | val BLEU | test sacreBLEU "
+        "| test lc tok BLEU | test chrF |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| {results['pair']} | {results['params_millions']}M | {results['updates']} | {results['epochs']} "
+        f"| {results['train_minutes']} | {results['picked']} | {results['val'][results['picked']]} "
+        f"| {t['sacrebleu']} | {t.get('tok_lc_bleu', '-')} | {t['chrf']} |",
+        "",
+        "| candidate | val sacreBLEU |",
+        "|---|---|",
+        *(f"| {name} | {score} |" for name, score in results["val"].items()),
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--average", type=int, nargs="*", help="sizes of last-k averages (default: train.average_last)")
     args = parser.parse_args()
+    start = time.monotonic()
     cfg = load_config(args.config, args.overrides)
     d, run_dir = cfg.data, Path(cfg.train.run_dir)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
     seq2seq("download", "--langs", f"{d.src_lang},{d.tgt_lang}", "--dest", d.dir)
-    start = time.monotonic()
     seq2seq("train", "--config", args.config, *args.overrides)
-    train_minutes = (time.monotonic() - start) / 60
-    src = read_lines(find_file(d.dir, d.test, d.src_lang))
-    refs = read_lines(find_file(d.dir, d.test, d.tgt_lang))
-    tok_path = Path(d.dir) / "tok" / f"{d.test}.lc.norm.tok.{d.tgt_lang}"
-    tok_refs = read_lines(tok_path) if tok_path.is_file() else None
-    checkpoints = [run_dir / name for name in ("checkpoint_best.pt", "checkpoint_avg.pt") if (run_dir / name).is_file()]
+
+    sizes = args.average if args.average is not None else [cfg.train.average_last] * (cfg.train.average_last > 0)
+    candidates = [run_dir / "checkpoint_best.pt", *averages(run_dir, sizes)]
+    val_refs = read_lines(find_file(d.dir, d.valid, d.tgt_lang))
+    val = {c.stem: round(metrics.bleu(translate(c, cfg, d.valid), val_refs).score, 2) for c in candidates}
+    picked = max(val, key=val.__getitem__)
+    test_hyps = translate(run_dir / f"{picked}.pt", cfg, d.test)
+
+    progress = read_checkpoint(run_dir / LAST)["train_state"]["progress"]
     results = {
         "config": args.config,
         "overrides": args.overrides,
         "pair": f"{d.src_lang}-{d.tgt_lang}",
-        "train_wall_minutes": round(train_minutes, 1),
-        "scores": [score(c, src, refs, tok_refs, d.tgt_lang) for c in checkpoints],
+        "params_millions": round(sum(p.numel() for p in load_checkpoint(run_dir / LAST).model.parameters()) / 1e6, 1),
+        "updates": progress["step"],
+        "epochs": progress["epoch"] - 1,  # completed; a time budget may stop training inside the next one
+        "train_minutes": round(progress["elapsed"] / 60, 1),
+        "decode": dataclasses.asdict(cfg.decode),
+        "val": val,
+        "picked": picked,
+        "test": test_scores(test_hyps, cfg),
+        "this_invocation_minutes": round((time.monotonic() - start) / 60, 1),
     }
     (run_dir / "results.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
-    lines = [
-        f"| {results['pair']} | {s['checkpoint']} | {s['sacrebleu']} | {s.get('tok_lc_bleu', '-')} | {s['chrf']} "
-        f"| {results['train_wall_minutes']} |"
-        for s in results["scores"]
-    ]
-    header = "| pair | checkpoint | sacreBLEU | lc tok BLEU | chrF | train minutes |\n|---|---|---|---|---|---|\n"
-    (run_dir / "results.md").write_text(header + "\n".join(lines) + "\n", encoding="utf-8")
-    print(header + "\n".join(lines))
+    (run_dir / "results.md").write_text(markdown(results), encoding="utf-8")
+    print(markdown(results))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,50 @@
+"""Validation BLEU of a checkpoint over a grid of beam sizes and length penalties.
+
+    python scripts/decode_grid.py runs/m30k_en_de/checkpoint_avg10.pt --beams 1 5 10 --alphas 0.6 1.0 1.4
+
+Tunes decoding on val (never on test): prints a markdown table of sacreBLEU
+(cased, detokenized) with beam sizes as rows and GNMT length-penalty alphas as
+columns; beam 1 is greedy search, which has no length penalty.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from seq2seq import metrics
+from seq2seq.data import find_file, read_lines
+from seq2seq.translate import Translator
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint")
+    parser.add_argument("--split", default="val")
+    parser.add_argument("--beams", type=int, nargs="+", default=[1, 5, 10])
+    parser.add_argument("--alphas", type=float, nargs="+", default=[0.6, 1.0, 1.4])
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0 keeps torch's default")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    translator = Translator.from_checkpoint(args.checkpoint)
+    data = translator.config.data
+    src = read_lines(find_file(data.dir, args.split, data.src_lang))
+    refs = read_lines(find_file(data.dir, args.split, data.tgt_lang))
+    print(f"{args.checkpoint}, {args.split}: sacreBLEU by beam size (rows) and length penalty (columns)\n")
+    print("| beam | " + " | ".join(f"alpha {a}" for a in args.alphas) + " |")
+    print("|---" * (len(args.alphas) + 1) + "|")
+    for beam in args.beams:
+        cells = []
+        for alpha in args.alphas:
+            if beam == 1 and cells:  # greedy ignores the length penalty
+                cells.append(cells[0])
+                continue
+            translator.decode.beam_size, translator.decode.length_penalty = beam, alpha
+            cells.append(f"{metrics.bleu(translator.translate(src), refs).score:.2f}")
+        print(f"| {beam} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
