@@ -77,6 +77,14 @@ def test_scores(hyps: list[str], cfg: ExperimentConfig) -> dict:
     return scores
 
 
+def examples(hyps: list[str], cfg: ExperimentConfig, every: int = 200) -> list[dict[str, str]]:
+    """Every `every`-th test sentence with its reference and our translation (a fixed, unpicked sample)."""
+    d = cfg.data
+    src = read_lines(find_file(d.dir, d.test, d.src_lang))
+    refs = read_lines(find_file(d.dir, d.test, d.tgt_lang))
+    return [{"source": src[i], "reference": refs[i], "ours": hyps[i]} for i in range(0, len(hyps), every)]
+
+
 def markdown(results: dict) -> str:
     t = results["test"]
     lines = [
@@ -90,6 +98,11 @@ def markdown(results: dict) -> str:
         "| candidate | val sacreBLEU |",
         "|---|---|",
         *(f"| {name} | {score} |" for name, score in results["val"].items()),
+        "",
+        "| source | reference | ours |",
+        "|---|---|---|",
+        *("| " + " | ".join(e[k].replace("|", "\\|") for k in ("source", "reference", "ours")) + " |"
+          for e in results["examples"]),
     ]
     return "\n".join(lines) + "\n"
 
@@ -128,6 +141,7 @@ def main() -> None:
         "val": val,
         "picked": picked,
         "test": test_scores(test_hyps, cfg),
+        "examples": examples(test_hyps, cfg),
         "this_invocation_minutes": round((time.monotonic() - start) / 60, 1),
     }
     (run_dir / "results.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
