@@ -92,6 +92,8 @@ def _parser() -> argparse.ArgumentParser:
 def _add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--checkpoint", "-c", required=required, help="checkpoint file (e.g. RUN/checkpoint_best.pt)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU threads for torch (default: torch's choice; 1 is faster on a busy machine)")
     p.add_argument("overrides", nargs="*", metavar="decode.key=value", help="decoding overrides")
 
 
@@ -144,6 +146,12 @@ def _translator(args: argparse.Namespace) -> Translator:
     bad = [o for o in args.overrides if not o.startswith("decode.")]
     if bad:
         raise ConfigError(f"command line: {bad[0]!r}: only decode.* settings can change at translation time")
+    if args.threads < 0:
+        raise ConfigError(f"--threads must be >= 0, got {args.threads}")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     translator = Translator.from_checkpoint(args.checkpoint, resolve_device(args.device))
     assert translator.config is not None
     translator.config = apply_overrides(translator.config, args.overrides)

@@ -154,6 +154,18 @@ def test_translate_rejects_training_overrides(trained_run: Path, capsys: pytest.
     assert "only decode.* settings" in one_error_line(capsys)
 
 
+def test_translate_threads(trained_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source, output = tmp_path / "in.txt", tmp_path / "out.txt"
+    source.write_text("\n".join(SOURCES) + "\n", encoding="utf-8")
+    torch.set_num_threads(2)  # the one_thread fixture restores its own setting afterwards
+    argv = ["translate", "-c", str(trained_run / "checkpoint_best.pt"), "-i", str(source), "-o", str(output)]
+    assert main([*argv, "--threads", "1"]) == 0
+    assert torch.get_num_threads() == 1
+    assert lines(output) == [reverse(s) for s in SOURCES]
+    assert main([*argv, "--threads", "-1"]) == 2
+    assert "--threads" in one_error_line(capsys)
+
+
 def test_translate_missing_input_file(trained_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "nope.txt"
     assert main(["translate", "-c", str(trained_run / "checkpoint_best.pt"), "-i", str(missing)]) == 1
