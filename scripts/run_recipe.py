@@ -1,6 +1,6 @@
 """Run a Multi30k recipe end to end and write its results table.
 
-    python scripts/run_recipe.py configs/m30k_de_en.yaml [section.key=value ...]
+    python scripts/run_recipe.py configs/m30k_de_en.yaml --average 5 10 [section.key=value ...]
 
 1. Download the language pair (SEQ2SEQ_DATA_MIRROR for a local copy).
 2. Train. A run directory with a checkpoint resumes; a run that already
@@ -8,6 +8,8 @@
 3. Average the last k epoch checkpoints, for each k of --average.
 4. Pick, on val, the best of checkpoint_best and the averages, decoding with
    the config's decode settings (the command line's overrides included).
+   checkpoint_best was itself chosen for its greedy val BLEU, so its val
+   score flatters it a little against the averages.
 5. Decode test_2016_flickr once, with the picked checkpoint, and score it:
    - sacreBLEU's default (cased, detokenized, 13a): the headline score;
    - lower-cased Moses-tokenized BLEU against the dataset's `lc.norm.tok`
