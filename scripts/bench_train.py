@@ -2,7 +2,7 @@
 
 Measures target tokens per second of whole training updates (forward,
 backward, clipping, Adam step) through `Trainer.train_step`, the code path
-`seq2seq train` runs, for two models:
+`seq2seq train` runs, for these models:
 
 - quickstart: configs/quickstart.yaml (3+3 layers, d_model 256, d_ff 1024)
 - tiny: 4+4 layers, d_model 128, d_ff 256 (the shape of fairseq's transformer_tiny)

@@ -10,6 +10,7 @@ columns; beam 1 is greedy search, which has no length penalty.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 
@@ -41,7 +42,8 @@ def main() -> None:
             if beam == 1 and cells:  # greedy ignores the length penalty
                 cells.append(cells[0])
                 continue
-            translator.decode.beam_size, translator.decode.length_penalty = beam, alpha
+            # replace() re-runs DecodeConfig's checks, so a bad --beams value fails with its message
+            translator.decode = dataclasses.replace(translator.decode, beam_size=beam, length_penalty=alpha)
             cells.append(f"{metrics.bleu(translator.translate(src), refs).score:.2f}")
         print(f"| {beam} | " + " | ".join(cells) + " |", flush=True)
 

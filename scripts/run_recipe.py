@@ -48,13 +48,12 @@ def seq2seq(*args: str) -> None:
 def averages(run_dir: Path, sizes: list[int]) -> list[Path]:
     """checkpoint_avg{k}.pt from the last k epoch checkpoints, for each k (fewer if fewer exist)."""
     paths = step_checkpoints(run_dir)
-    out = []
-    for k in sizes:
-        if len(paths) >= 2:
-            k = min(k, len(paths))
-            out.append(run_dir / f"checkpoint_avg{k}.pt")
-            average_checkpoints(paths[-k:], out[-1])
-    return list(dict.fromkeys(out))
+    if len(paths) < 2:
+        return []
+    out = {min(k, len(paths)) for k in sizes}
+    for k in sorted(out):
+        average_checkpoints(paths[-k:], run_dir / f"checkpoint_avg{k}.pt")
+    return [run_dir / f"checkpoint_avg{k}.pt" for k in sorted(out)]
 
 
 def translate(checkpoint: Path, cfg: ExperimentConfig, split: str) -> list[str]:
@@ -67,9 +66,8 @@ def translate(checkpoint: Path, cfg: ExperimentConfig, split: str) -> list[str]:
     return hyps
 
 
-def test_scores(hyps: list[str], cfg: ExperimentConfig) -> dict:
+def test_scores(hyps: list[str], refs: list[str], cfg: ExperimentConfig) -> dict:
     d = cfg.data
-    refs = read_lines(find_file(d.dir, d.test, d.tgt_lang))
     bleu = metrics.bleu(hyps, refs)
     scores = {"sacrebleu": round(bleu.score, 2), "chrf": round(metrics.chrf(hyps, refs).score, 2),
               "ter": round(metrics.ter(hyps, refs).score, 2), "signature": bleu.signature}  # fmt: skip
@@ -79,11 +77,8 @@ def test_scores(hyps: list[str], cfg: ExperimentConfig) -> dict:
     return scores
 
 
-def examples(hyps: list[str], cfg: ExperimentConfig, every: int = 200) -> list[dict[str, str]]:
+def examples(src: list[str], refs: list[str], hyps: list[str], every: int = 200) -> list[dict[str, str]]:
     """Every `every`-th test sentence with its reference and our translation (a fixed, unpicked sample)."""
-    d = cfg.data
-    src = read_lines(find_file(d.dir, d.test, d.src_lang))
-    refs = read_lines(find_file(d.dir, d.test, d.tgt_lang))
     return [{"source": src[i], "reference": refs[i], "ours": hyps[i]} for i in range(0, len(hyps), every)]
 
 
@@ -129,6 +124,7 @@ def main() -> None:
     val = {c.stem: round(metrics.bleu(translate(c, cfg, d.valid), val_refs).score, 2) for c in candidates}
     picked = max(val, key=val.__getitem__)
     test_hyps = translate(run_dir / f"{picked}.pt", cfg, d.test)
+    test_src, test_refs = (read_lines(find_file(d.dir, d.test, lang)) for lang in (d.src_lang, d.tgt_lang))
 
     progress = read_checkpoint(run_dir / LAST)["train_state"]["progress"]
     results = {
@@ -142,8 +138,8 @@ def main() -> None:
         "decode": dataclasses.asdict(cfg.decode),
         "val": val,
         "picked": picked,
-        "test": test_scores(test_hyps, cfg),
-        "examples": examples(test_hyps, cfg),
+        "test": test_scores(test_hyps, test_refs, cfg),
+        "examples": examples(test_src, test_refs, test_hyps),
         "this_invocation_minutes": round((time.monotonic() - start) / 60, 1),
     }
     (run_dir / "results.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
