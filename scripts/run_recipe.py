@@ -1,8 +1,9 @@
 """Run a Multi30k recipe end to end and write its results table.
 
-    python scripts/run_recipe.py configs/m30k_de_en.yaml --average 5 10 [section.key=value ...]
+    python scripts/run_recipe.py configs/m30k_de_en.yaml --average 5,10 [section.key=value ...]
 
-1. Download the language pair (SEQ2SEQ_DATA_MIRROR for a local copy).
+1. Download the language pair (SEQ2SEQ_DATA_MIRROR for a local copy;
+   --no-download for a corpus already in data.dir).
 2. Train. A run directory with a checkpoint resumes; a run that already
    reached its budget just stops again, so re-running only re-scores.
 3. Average the last k epoch checkpoints, for each k of --average.
@@ -104,18 +105,32 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def average_sizes(text: str) -> list[int]:
+    """`5,10` -> [5, 10]: one comma-separated value, so that overrides may follow the option."""
+    try:
+        sizes = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, such as 5,10; got {text!r}")
+    return sizes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config")
-    parser.add_argument("overrides", nargs="*")
-    parser.add_argument("--average", type=int, nargs="*", help="sizes of last-k averages (default: train.average_last)")
+    parser.add_argument("overrides", nargs="*", help="section.key=value")
+    parser.add_argument("--average", type=average_sizes, metavar="K[,K...]",
+                        help="sizes of last-k averages (default: train.average_last)")  # fmt: skip
+    parser.add_argument("--no-download", action="store_true", help="use the corpus already in data.dir")
     args = parser.parse_args()
     start = time.monotonic()
     cfg = load_config(args.config, args.overrides)
     d, run_dir = cfg.data, Path(cfg.train.run_dir)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    seq2seq("download", "--langs", f"{d.src_lang},{d.tgt_lang}", "--dest", d.dir)
+    if not args.no_download:
+        seq2seq("download", "--langs", f"{d.src_lang},{d.tgt_lang}", "--dest", d.dir)
     seq2seq("train", "--config", args.config, *args.overrides)
 
     sizes = args.average if args.average is not None else [cfg.train.average_last] * (cfg.train.average_last > 0)
