@@ -51,10 +51,11 @@ def averages(run_dir: Path, sizes: list[int]) -> list[Path]:
     paths = step_checkpoints(run_dir)
     if len(paths) < 2:
         return []
-    out = {min(k, len(paths)) for k in sizes}
-    for k in sorted(out):
-        average_checkpoints(paths[-k:], run_dir / f"checkpoint_avg{k}.pt")
-    return [run_dir / f"checkpoint_avg{k}.pt" for k in sorted(out)]
+    out = []
+    for k in sorted({min(k, len(paths)) for k in sizes}):
+        out.append(run_dir / f"checkpoint_avg{k}.pt")
+        average_checkpoints(paths[-k:], out[-1])
+    return out
 
 
 def translate(checkpoint: Path, cfg: ExperimentConfig, split: str) -> list[str]:

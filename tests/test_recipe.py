@@ -9,6 +9,8 @@ from pathlib import Path
 
 from conftest import ROOT, TINY, single_thread_env, tiny_overrides
 
+from seq2seq import metrics
+
 RECIPE = ROOT / "scripts" / "run_recipe.py"
 
 
@@ -27,11 +29,14 @@ def test_recipe_trains_averages_picks_on_val_and_rescores(corpus: Path, tmp_path
     assert results["epochs"] == 4 and results["updates"] > 0
     assert set(results["val"]) == {"checkpoint_best", "checkpoint_avg2", "checkpoint_avg3"}
     assert results["val"][results["picked"]] == max(results["val"].values())
-    assert 0 <= results["test"]["sacrebleu"] <= 100
+    assert all((run_dir / f"{name}.pt").is_file() for name in results["val"])
     assert "tok_lc_bleu" not in results["test"]  # this corpus has no tokenized references
-    assert len(results["examples"]) == 1  # every 200th of 100 test sentences
     hyps = (run_dir / f"test.{results['picked']}.tgt").read_text(encoding="utf-8").splitlines()
-    assert len(hyps) == 100
+    src, refs = ((corpus / f"test.{side}").read_text(encoding="utf-8").splitlines() for side in ("src", "tgt"))
+    assert len(hyps) == len(refs) == 100
+    # the reported score is the picked checkpoint's saved test output scored against the references
+    assert results["test"]["sacrebleu"] == round(metrics.bleu(hyps, refs).score, 2)
+    assert results["examples"] == [{"source": src[0], "reference": refs[0], "ours": hyps[0]}]
     assert (run_dir / "results.md").read_text(encoding="utf-8").startswith("| pair |")
 
     again = run_recipe(*args)  # the run reached its budget: no more training, the same scores
