@@ -1,9 +1,13 @@
-"""Decoding speed: sentences/s for greedy and beam search, with the key/value cache and without.
+"""Decoding speed: sentences/s for greedy and beam search, one setting against its baseline.
 
+`--compare cache` (the default) times the key/value cache against no cache;
+`--compare attention` times PyTorch's math attention kernel, which the
+translator asks for on CPU (`seq2seq.model.preferred_kernel`), against its
+flash kernel, which `scaled_dot_product_attention` would pick by itself.
 The no-cache baseline (`seq2seq.search.uncached_search`) runs the same search
 code but recomputes the decoder over the whole prefix at every step. The
 machine's speed drifts (it may be shared), so the runs are interleaved, each
-round in mirrored order (A B B A), and the cached/uncached ratios are taken
+round in mirrored order (A B B A), and the setting/baseline ratios are taken
 within each round; the report gives their medians.
 
     .venv/bin/python scripts/bench_decode.py --checkpoint runs/bench/checkpoint_best.pt -n 1000 --rounds 3
@@ -25,13 +29,22 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from seq2seq.data import read_lines  # noqa: E402
-from seq2seq.search import search, uncached_search  # noqa: E402
+from seq2seq.model import preferred_kernel  # noqa: E402
+from seq2seq.search import SearchFn, search, uncached_search  # noqa: E402
 from seq2seq.translate import Translation, Translator  # noqa: E402
+
+# --compare -> the setting, then its baseline: (name, search function, attention kernel; None: the translator's)
+Setting = tuple[str, SearchFn, SDPBackend | None]
+COMPARISONS: dict[str, tuple[Setting, Setting]] = {
+    "cache": (("cached", search, None), ("uncached", uncached_search, None)),
+    "attention": (("math", search, SDPBackend.MATH), ("flash", search, SDPBackend.FLASH_ATTENTION)),
+}
 
 
 @dataclass
@@ -60,6 +73,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--modes", default="greedy,beam", help="comma-separated: greedy, beam")
     p.add_argument("--train-minutes", type=float, default=0, help="train a quickstart checkpoint first if missing")
     p.add_argument("--json", help="also write the results here")
+    p.add_argument("--compare", choices=list(COMPARISONS), default="cache")
     return p.parse_args()
 
 
@@ -75,8 +89,11 @@ def ensure_checkpoint(path: Path, minutes: float) -> None:
     subprocess.run(command, check=True)
 
 
-def timed(translator: Translator, lines: list[str], strategy: str, cached: bool, name: str) -> Run:
-    translator.search_fn = search if cached else uncached_search
+def timed(
+    translator: Translator, lines: list[str], strategy: str, fn: SearchFn, kernel: SDPBackend | None, name: str
+) -> Run:
+    translator.search_fn = fn
+    translator.attention_kernel = kernel or preferred_kernel(translator.device)
     start = time.perf_counter()
     results: list[Translation] = translator.translate_full(lines, strategy)
     seconds = time.perf_counter() - start
@@ -97,25 +114,28 @@ def main() -> None:
         translator.decode = replace(translator.decode, min_len=L, max_len=L, max_len_a=0.0, max_len_b=L)
     lines = [line for line in read_lines(args.src) if line.strip()][: args.n]
     modes = args.modes.split(",")
-    timed(translator, lines[:8], "greedy", True, "warm-up")
-    timed(translator, lines[:8], "greedy", False, "warm-up")
+    setting, baseline = COMPARISONS[args.compare]
+    for _, fn, kernel in (setting, baseline):
+        timed(translator, lines[:8], "greedy", fn, kernel, "warm-up")
 
     runs: dict[str, list[Run]] = {}
     ratios: dict[str, list[float]] = {m: [] for m in modes}
     for round_ in range(args.rounds):
         for mode in modes:
-            order = [True, False] if round_ % 2 == 0 else [False, True]  # A B, then B A: drift cancels
+            order = [setting, baseline] if round_ % 2 == 0 else [baseline, setting]  # A B, then B A: drift cancels
             this_round = {}
-            for cached in order:
-                name = f"{mode if mode == 'greedy' else f'beam{args.beam}'} {'cached' if cached else 'uncached'}"
-                run = timed(translator, lines, mode, cached, name)
-                this_round[cached] = run
+            for label, fn, kernel in order:
+                name = f"{mode if mode == 'greedy' else f'beam{args.beam}'} {label}"
+                run = timed(translator, lines, mode, fn, kernel, name)
+                this_round[label] = run
                 runs.setdefault(name, []).append(run)
                 print(f"round {round_ + 1}: {name:18s} {run.speed:8.1f} sent/s  ({run.seconds:.1f} s)", file=sys.stderr)
-            ratios[mode].append(this_round[True].speed / this_round[False].speed)
-            mismatched = sum(a != b for a, b in zip(this_round[True].outputs, this_round[False].outputs))
+            ours, base = this_round[setting[0]], this_round[baseline[0]]
+            ratios[mode].append(ours.speed / base.speed)
+            mismatched = sum(a != b for a, b in zip(ours.outputs, base.outputs))
             if mismatched:
-                print(f"warning: {mode}: {mismatched} sentences differ between cached and uncached", file=sys.stderr)
+                print(f"warning: {mode}: {mismatched} sentences differ between {setting[0]} and {baseline[0]}",
+                      file=sys.stderr)  # fmt: skip
     report(args, lines, runs, ratios)
 
 
@@ -129,9 +149,10 @@ def report(
     for name, group in runs.items():
         speed = statistics.median(r.speed for r in group)
         print(f"{name:18s} {speed:16.1f} {group[0].tokens / group[0].sentences:26.1f}")
+    (setting, *_), (baseline, *_) = COMPARISONS[args.compare]
     for mode, values in ratios.items():
         shown = ", ".join(f"{v:.2f}" for v in values)
-        print(f"{mode}: cached / uncached speed = {statistics.median(values):.2f}x (median; rounds: {shown})")
+        print(f"{mode}: {setting} / {baseline} speed = {statistics.median(values):.2f}x (median; rounds: {shown})")
     if args.json:
         summary = {
             "args": vars(args),

@@ -1,16 +1,21 @@
-"""Training throughput on real Multi30k batches: fp32 against bf16 autocast, in one process.
+"""Training throughput on real Multi30k batches: two settings side by side, in one process.
 
 Measures target tokens per second of whole training updates (forward,
 backward, clipping, Adam step) through `Trainer.train_step`, the code path
-`seq2seq train` runs, for these models:
+`seq2seq train` runs. `--compare precision` (the default) sets fp32 against
+bf16 autocast; `--compare attention` sets PyTorch's two CPU attention kernels
+against each other in bf16: flash, which `scaled_dot_product_attention`
+picks by itself when attention dropout is 0, and math (matmul, softmax,
+matmul), which the trainer asks for on CPU (`seq2seq.model.preferred_kernel`).
+Models:
 
 - quickstart: configs/quickstart.yaml (3+3 layers, d_model 256, d_ff 1024)
 - tiny: 4+4 layers, d_model 128, d_ff 256 (the shape of fairseq's transformer_tiny)
 - big: 6+6 layers, d_model 512, 8 heads, d_ff 2048
 
-This machine's speed drifts by up to 3x within minutes, so the precisions are
+This machine's speed drifts by up to 3x within minutes, so the settings are
 interleaved round by round (the order alternating) on the same batches, and
-each round yields a bf16/fp32 ratio; the report gives medians. Compare
+each round yields a ratio (second setting over first); the report gives medians. Compare
 numbers only within one run.
 
     .venv/bin/python scripts/bench_train.py --rounds 5 --steps 2
@@ -37,6 +42,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -53,7 +59,11 @@ MODELS = {
     "big": ["model.d_model=512", "model.n_heads=8", "model.d_ff=2048", "model.encoder_layers=6",
             "model.decoder_layers=6"],  # fmt: skip
 }
-PRECISIONS = ("fp32", "bf16")
+# setting name -> (precision, attention kernel; None: PyTorch's choice)
+SETTINGS: dict[str, dict[str, tuple[str, SDPBackend | None]]] = {
+    "precision": {"fp32": ("fp32", SDPBackend.MATH), "bf16": ("bf16", SDPBackend.MATH)},
+    "attention": {"flash": ("bf16", SDPBackend.FLASH_ATTENTION), "math": ("bf16", SDPBackend.MATH)},
+}
 
 
 def main() -> None:
@@ -62,7 +72,8 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger().handlers[0].setLevel(logging.WARNING)  # the run log goes to the temporary run dir
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU: {_cpu()}")
-    _bench_matmul(args.rounds)
+    if args.compare == "precision":
+        _bench_matmul(args.rounds)
     tokenizer = _tokenizer(args)
     for name in args.models:
         with tempfile.TemporaryDirectory() as run_dir:
@@ -81,8 +92,9 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--max-tokens", type=int, default=4096, help="batch token budget (padded, larger side)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per model")
-    p.add_argument("--steps", type=int, default=3, help="timed updates per precision per round")
+    p.add_argument("--steps", type=int, default=3, help="timed updates per setting per round")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--compare", choices=list(SETTINGS), default="precision")
     return p.parse_args()
 
 
@@ -114,26 +126,28 @@ def _config(args: argparse.Namespace, name: str, run_dir: str) -> ExperimentConf
 
 
 def _bench(trainer: Trainer, name: str, args: argparse.Namespace) -> None:
-    """Interleave the precisions round by round on the same batches; print per-round rates and medians."""
+    """Interleave the two settings round by round on the same batches; print per-round rates and medians."""
+    settings = SETTINGS[args.compare]
+    first, second = settings
     batches = [collate(trainer.train_data, b) for b in trainer.epoch_batches(1)[: args.steps * args.rounds]]
     n_params = sum(p.numel() for p in trainer.model.parameters()) / 1e6
     mean_tokens = statistics.mean(b.n_tokens for b in batches)
     print(f"\n{name}: {n_params:.1f}M parameters, batches of {mean_tokens:.0f} target tokens on average")
-    for precision in PRECISIONS:  # warm-up: kernel selection, allocator
-        _rate(trainer, precision, batches[:1])
-    rates: dict[str, list[float]] = {p: [] for p in PRECISIONS}
+    for s in settings:  # warm-up: kernel selection, allocator
+        _rate(trainer, *settings[s], batches[:1])
+    rates: dict[str, list[float]] = {s: [] for s in settings}
     ratios = []
     for r in range(args.rounds):
         chunk = batches[r * args.steps : (r + 1) * args.steps]
-        order = PRECISIONS if r % 2 == 0 else PRECISIONS[::-1]
-        now = {p: _rate(trainer, p, chunk) for p in order}
-        for p in PRECISIONS:
-            rates[p].append(now[p])
-        ratios.append(now["bf16"] / now["fp32"])
-        print(f"  round {r + 1}: " + ", ".join(f"{p} {now[p]:.0f} tok/s" for p in PRECISIONS) +
-              f", bf16/fp32 {ratios[-1]:.2f}")  # fmt: skip
-    medians = ", ".join(f"{p} {statistics.median(rates[p]):.0f} tok/s" for p in PRECISIONS)
-    print(f"  median: {medians}; bf16/fp32 ratio median {statistics.median(ratios):.2f} "
+        order = [first, second] if r % 2 == 0 else [second, first]
+        now = {s: _rate(trainer, *settings[s], chunk) for s in order}
+        for s in settings:
+            rates[s].append(now[s])
+        ratios.append(now[second] / now[first])
+        print(f"  round {r + 1}: " + ", ".join(f"{s} {now[s]:.0f} tok/s" for s in settings) +
+              f", {second}/{first} {ratios[-1]:.2f}")  # fmt: skip
+    medians = ", ".join(f"{s} {statistics.median(rates[s]):.0f} tok/s" for s in settings)
+    print(f"  median: {medians}; {second}/{first} ratio median {statistics.median(ratios):.2f} "
           f"(min {min(ratios):.2f}, max {max(ratios):.2f})")  # fmt: skip
 
 
@@ -152,10 +166,11 @@ def _bench_matmul(rounds: int) -> None:
     print(f"matmul 4096x512 @ 512x2048: fp32 {fp32:.0f} GFLOP/s, bf16 {bf16:.0f} GFLOP/s ({bf16 / fp32:.2f}x)")
 
 
-def _rate(trainer: Trainer, precision: str, batches: list[Batch]) -> float:
+def _rate(trainer: Trainer, precision: str, kernel: SDPBackend | None, batches: list[Batch]) -> float:
     """Target tokens per second of full training updates, one batch per update."""
     trainer.precision = precision
     start = time.perf_counter()
+    trainer.attention_kernel = kernel
     for batch in batches:
         trainer.train_step([batch])
     return sum(b.n_tokens for b in batches) / (time.perf_counter() - start)

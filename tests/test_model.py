@@ -12,8 +12,10 @@ import pytest
 import torch
 from torch import Tensor
 
+from torch.nn.attention import SDPBackend
+
 from seq2seq.config import ModelConfig
-from seq2seq.model import Seq2SeqTransformer, build_model
+from seq2seq.model import Seq2SeqTransformer, build_model, kernel_scope, preferred_kernel
 from seq2seq.model.transformer import sinusoidal_table
 from seq2seq.tokenizer import BOS, EOS, PAD
 
@@ -110,6 +112,42 @@ def test_projecting_selected_positions_equals_slicing_all_logits() -> None:
     tgt = target_batch()
     keep = torch.rand(tgt.shape, generator=torch.Generator().manual_seed(3)) > 0.4
     torch.testing.assert_close(model(src, mask, tgt, keep), model(src, mask, tgt)[keep], **CLOSE)
+
+
+# Attention kernels: on CPU the package asks for PyTorch's math kernel instead of its flash one.
+
+CPU_KERNELS = [SDPBackend.MATH, SDPBackend.FLASH_ATTENTION]
+
+
+def test_math_kernel_on_cpu_and_pytorchs_choice_elsewhere() -> None:
+    assert preferred_kernel(torch.device("cpu")) == SDPBackend.MATH
+    assert preferred_kernel(torch.device("cuda")) is None
+
+
+@torch.no_grad()
+def test_math_and_flash_kernels_compute_the_same_attention() -> None:
+    model = tiny_model()
+    src, mask = source_batch()
+    tgt = target_batch()
+    with kernel_scope(SDPBackend.FLASH_ATTENTION):
+        flash = model(src, mask, tgt)
+    with kernel_scope(SDPBackend.MATH):
+        math_ = model(src, mask, tgt)
+    torch.testing.assert_close(math_, flash, **CLOSE)
+
+
+@pytest.mark.parametrize("kernel", CPU_KERNELS, ids=["math", "flash"])
+@torch.no_grad()
+def test_masking_and_cache_hold_with_either_kernel(kernel: SDPBackend) -> None:
+    model = tiny_model()
+    src, mask = source_batch()
+    tgt = target_batch(length=9)
+    with kernel_scope(kernel):
+        full = model(src, mask, tgt)
+        changed = tgt.clone()
+        changed[:, 5:] = (tgt[:, 5:] - EOS) % (VOCAB - EOS - 1) + EOS + 1
+        torch.testing.assert_close(model(src, mask, changed)[:, :5], full[:, :5], **CLOSE)
+        torch.testing.assert_close(decode_incrementally(model, src, mask, tgt), full, **CLOSE)
 
 
 # Incremental decoding.

@@ -10,9 +10,29 @@ Masks arrive in one convention everywhere in the package: a boolean
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+
+def preferred_kernel(device: torch.device) -> SDPBackend | None:
+    """The attention kernel to run on `device`; None leaves the choice to PyTorch.
+
+    On CPU PyTorch picks its flash kernel whenever attention dropout is off, but
+    for sentence-length sequences its math kernel (matmul, softmax, matmul) is
+    faster, in training and decoding alike (`scripts/bench_train.py --compare
+    attention`, `scripts/bench_decode.py --compare attention`). On CUDA the
+    fused kernels win, so PyTorch keeps choosing.
+    """
+    return SDPBackend.MATH if device.type == "cpu" else None
+
+
+def kernel_scope(kernel: SDPBackend | None) -> contextlib.AbstractContextManager[None]:
+    """Run the model's attention with `kernel` inside this scope (None: PyTorch's choice)."""
+    return contextlib.nullcontext() if kernel is None else sdpa_kernel(kernel)
 
 
 def attention_mask(pad_mask: Tensor) -> Tensor:

@@ -33,7 +33,7 @@ from seq2seq.checkpoint import (BEST, LAST, average_checkpoints, prune_step_chec
                                 step_checkpoints)  # fmt: skip
 from seq2seq.config import ExperimentConfig, save_config, to_dict
 from seq2seq.data import Batch, EncodedCorpus, collate, encode_corpus, make_batches, read_parallel
-from seq2seq.model import Seq2SeqTransformer, build_model
+from seq2seq.model import Seq2SeqTransformer, build_model, kernel_scope, preferred_kernel
 from seq2seq.tokenizer import Tokenizer, train_tokenizer
 from seq2seq.training import distributed as dist
 from seq2seq.training import monitor, validation
@@ -77,6 +77,7 @@ class Trainer:
         self.run_dir = Path(cfg.train.run_dir)
         self.writer: Any = None
         self.device, self.precision = self._setup_device()
+        self.attention_kernel = preferred_kernel(self.device)  # scripts/bench_train.py swaps it
         self.main = dist.is_main()
         self._log_file = self._prepare_run_dir()
         try:
@@ -323,7 +324,7 @@ class Trainer:
             torch.manual_seed(micro_batch_seed(self.cfg.train.seed, step, i * world + rank))
             last = i == len(batches) - 1
             with contextlib.nullcontext() if self.ddp is None or last else self.ddp.no_sync():
-                with autocast(self.precision, self.device):
+                with autocast(self.precision, self.device), kernel_scope(self.attention_kernel):
                     loss, nll = batch_loss(model, batch.to(self.device), self.cfg.train.label_smoothing)
                 self.scaler.scale(loss * scale).backward()
             loss_sum += loss.detach()
