@@ -1,9 +1,9 @@
 """Decoding speed: sentences/s for greedy and beam search, one setting against its baseline.
 
 `--compare cache` (the default) times the key/value cache against no cache;
-`--compare attention` times PyTorch's math attention kernel, which the
-translator asks for on CPU (`seq2seq.model.preferred_kernel`), against its
-flash kernel, which `scaled_dot_product_attention` would pick by itself.
+`--compare attention` times PyTorch's math attention kernel, which training
+asks for on CPU (`seq2seq.model.training_kernel`), against its flash kernel,
+which `scaled_dot_product_attention` picks by itself and the translator keeps.
 The no-cache baseline (`seq2seq.search.uncached_search`) runs the same search
 code but recomputes the decoder over the whole prefix at every step. The
 machine's speed drifts (it may be shared), so the runs are interleaved, each
@@ -35,11 +35,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from seq2seq.data import read_lines  # noqa: E402
-from seq2seq.model import preferred_kernel  # noqa: E402
 from seq2seq.search import SearchFn, search, uncached_search  # noqa: E402
 from seq2seq.translate import Translation, Translator  # noqa: E402
 
-# --compare -> the setting, then its baseline: (name, search function, attention kernel; None: the translator's)
+# --compare -> the setting, then its baseline: (name, search function, attention kernel; None: PyTorch's choice)
 Setting = tuple[str, SearchFn, SDPBackend | None]
 COMPARISONS: dict[str, tuple[Setting, Setting]] = {
     "cache": (("cached", search, None), ("uncached", uncached_search, None)),
@@ -93,7 +92,7 @@ def timed(
     translator: Translator, lines: list[str], strategy: str, fn: SearchFn, kernel: SDPBackend | None, name: str
 ) -> Run:
     translator.search_fn = fn
-    translator.attention_kernel = kernel or preferred_kernel(translator.device)
+    translator.attention_kernel = kernel
     start = time.perf_counter()
     results: list[Translation] = translator.translate_full(lines, strategy)
     seconds = time.perf_counter() - start

@@ -6,7 +6,7 @@ backward, clipping, Adam step) through `Trainer.train_step`, the code path
 bf16 autocast; `--compare attention` sets PyTorch's two CPU attention kernels
 against each other in bf16: flash, which `scaled_dot_product_attention`
 picks by itself when attention dropout is 0, and math (matmul, softmax,
-matmul), which the trainer asks for on CPU (`seq2seq.model.preferred_kernel`).
+matmul), which the trainer asks for on CPU (`seq2seq.model.training_kernel`).
 Models:
 
 - quickstart: configs/quickstart.yaml (3+3 layers, d_model 256, d_ff 1024)

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend
 
 from seq2seq.checkpoint import load_checkpoint
 from seq2seq.config import DecodeConfig, ExperimentConfig, from_dict, to_dict
 from seq2seq.data import make_batches, pad
-from seq2seq.model import Seq2SeqTransformer, kernel_scope, preferred_kernel
+from seq2seq.model import Seq2SeqTransformer, kernel_scope
 from seq2seq.search import Hypothesis, SearchFn, search
 from seq2seq.tokenizer import EOS, PAD, Tokenizer
 
@@ -56,7 +57,7 @@ class Translator:
         self.decode = decode
         self.device = torch.device(device)
         self.search_fn = search_fn  # scripts/bench_decode.py swaps in search.uncached_search
-        self.attention_kernel = preferred_kernel(self.device)  # scripts/bench_decode.py swaps it too
+        self.attention_kernel: SDPBackend | None = None  # PyTorch's choice; scripts/bench_decode.py sets it
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, device: str | torch.device = "cpu", **decode: object) -> Translator:

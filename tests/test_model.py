@@ -15,7 +15,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend
 
 from seq2seq.config import ModelConfig
-from seq2seq.model import Seq2SeqTransformer, build_model, kernel_scope, preferred_kernel
+from seq2seq.model import Seq2SeqTransformer, build_model, kernel_scope, training_kernel
 from seq2seq.model.transformer import sinusoidal_table
 from seq2seq.tokenizer import BOS, EOS, PAD
 
@@ -114,14 +114,14 @@ def test_projecting_selected_positions_equals_slicing_all_logits() -> None:
     torch.testing.assert_close(model(src, mask, tgt, keep), model(src, mask, tgt)[keep], **CLOSE)
 
 
-# Attention kernels: on CPU the package asks for PyTorch's math kernel instead of its flash one.
+# Attention kernels: CPU training asks for PyTorch's math kernel instead of its flash one.
 
 CPU_KERNELS = [SDPBackend.MATH, SDPBackend.FLASH_ATTENTION]
 
 
-def test_math_kernel_on_cpu_and_pytorchs_choice_elsewhere() -> None:
-    assert preferred_kernel(torch.device("cpu")) == SDPBackend.MATH
-    assert preferred_kernel(torch.device("cuda")) is None
+def test_math_kernel_for_cpu_training_and_pytorchs_choice_elsewhere() -> None:
+    assert training_kernel(torch.device("cpu")) == SDPBackend.MATH
+    assert training_kernel(torch.device("cuda")) is None
 
 
 @torch.no_grad()

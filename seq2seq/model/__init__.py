@@ -1,6 +1,6 @@
 """The Transformer encoder-decoder: read transformer.py top to bottom."""
 
-from seq2seq.model.attention import DecoderCache, LayerCache, MultiHeadAttention, kernel_scope, preferred_kernel
+from seq2seq.model.attention import DecoderCache, LayerCache, MultiHeadAttention, kernel_scope, training_kernel
 from seq2seq.model.layers import DecoderLayer, EncoderLayer, FeedForward
 from seq2seq.model.transformer import Seq2SeqTransformer, build_model
 
@@ -14,5 +14,5 @@ __all__ = [
     "Seq2SeqTransformer",
     "build_model",
     "kernel_scope",
-    "preferred_kernel",
+    "training_kernel",
 ]

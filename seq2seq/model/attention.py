@@ -18,14 +18,14 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
-def preferred_kernel(device: torch.device) -> SDPBackend | None:
-    """The attention kernel to run on `device`; None leaves the choice to PyTorch.
+def training_kernel(device: torch.device) -> SDPBackend | None:
+    """The attention kernel for training updates on `device`; None leaves the choice to PyTorch.
 
     On CPU PyTorch picks its flash kernel whenever attention dropout is off, but
-    for sentence-length sequences its math kernel (matmul, softmax, matmul) is
-    faster, in training and decoding alike (`scripts/bench_train.py --compare
-    attention`, `scripts/bench_decode.py --compare attention`). On CUDA the
-    fused kernels win, so PyTorch keeps choosing.
+    for sentence-length batches its math kernel (matmul, softmax, matmul)
+    trains faster (`scripts/bench_train.py --compare attention`). Decoding is
+    not faster with it (`scripts/bench_decode.py --compare attention`), so
+    decoding keeps PyTorch's choice, as does CUDA, where the fused kernels win.
     """
     return SDPBackend.MATH if device.type == "cpu" else None
 

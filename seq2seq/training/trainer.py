@@ -33,7 +33,7 @@ from seq2seq.checkpoint import (BEST, LAST, average_checkpoints, prune_step_chec
                                 step_checkpoints)  # fmt: skip
 from seq2seq.config import ExperimentConfig, save_config, to_dict
 from seq2seq.data import Batch, EncodedCorpus, collate, encode_corpus, make_batches, read_parallel
-from seq2seq.model import Seq2SeqTransformer, build_model, kernel_scope, preferred_kernel
+from seq2seq.model import Seq2SeqTransformer, build_model, kernel_scope, training_kernel
 from seq2seq.tokenizer import Tokenizer, train_tokenizer
 from seq2seq.training import distributed as dist
 from seq2seq.training import monitor, validation
@@ -77,7 +77,7 @@ class Trainer:
         self.run_dir = Path(cfg.train.run_dir)
         self.writer: Any = None
         self.device, self.precision = self._setup_device()
-        self.attention_kernel = preferred_kernel(self.device)  # scripts/bench_train.py swaps it
+        self.attention_kernel = training_kernel(self.device)  # scripts/bench_train.py swaps it
         self.main = dist.is_main()
         self._log_file = self._prepare_run_dir()
         try:

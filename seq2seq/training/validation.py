@@ -15,7 +15,7 @@ import torch
 from seq2seq import metrics
 from seq2seq.config import DecodeConfig
 from seq2seq.data import EncodedCorpus, collate, make_batches
-from seq2seq.model import Seq2SeqTransformer, kernel_scope, preferred_kernel
+from seq2seq.model import Seq2SeqTransformer
 from seq2seq.tokenizer import Tokenizer
 from seq2seq.training.device import autocast
 from seq2seq.training.loss import batch_loss
@@ -34,7 +34,7 @@ def loss_scores(
     try:
         for indices in make_batches(data.lengths(), max_tokens):
             batch = collate(data, indices).to(device)
-            with autocast(precision, device), kernel_scope(preferred_kernel(device)):
+            with autocast(precision, device):
                 loss, nll = batch_loss(model, batch, epsilon)
             loss_sum, nll_sum, tokens = loss_sum + loss.item(), nll_sum + nll.item(), tokens + batch.n_tokens
     finally:
