@@ -3,7 +3,7 @@
 `--compare cache` (the default) times the key/value cache against no cache;
 `--compare attention` times PyTorch's math attention kernel, which training
 asks for on CPU (`seq2seq.model.training_kernel`), against its flash kernel,
-which `scaled_dot_product_attention` picks by itself and the translator keeps.
+which `scaled_dot_product_attention` picks by itself and decoding keeps.
 The no-cache baseline (`seq2seq.search.uncached_search`) runs the same search
 code but recomputes the decoder over the whole prefix at every step. The
 machine's speed drifts (it may be shared), so the runs are interleaved, each
@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from seq2seq.data import read_lines  # noqa: E402
+from seq2seq.model import kernel_scope  # noqa: E402
 from seq2seq.search import SearchFn, search, uncached_search  # noqa: E402
 from seq2seq.translate import Translation, Translator  # noqa: E402
 
@@ -92,9 +93,9 @@ def timed(
     translator: Translator, lines: list[str], strategy: str, fn: SearchFn, kernel: SDPBackend | None, name: str
 ) -> Run:
     translator.search_fn = fn
-    translator.attention_kernel = kernel
     start = time.perf_counter()
-    results: list[Translation] = translator.translate_full(lines, strategy)
+    with kernel_scope(kernel):
+        results: list[Translation] = translator.translate_full(lines, strategy)
     seconds = time.perf_counter() - start
     outputs = [t.hypotheses[0].tokens if t.hypotheses else [] for t in results]
     return Run(name, seconds, len(lines), sum(len(o) for o in outputs), outputs)

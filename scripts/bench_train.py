@@ -168,9 +168,8 @@ def _bench_matmul(rounds: int) -> None:
 
 def _rate(trainer: Trainer, precision: str, kernel: SDPBackend | None, batches: list[Batch]) -> float:
     """Target tokens per second of full training updates, one batch per update."""
-    trainer.precision = precision
+    trainer.precision, trainer.attention_kernel = precision, kernel
     start = time.perf_counter()
-    trainer.attention_kernel = kernel
     for batch in batches:
         trainer.train_step([batch])
     return sum(b.n_tokens for b in batches) / (time.perf_counter() - start)

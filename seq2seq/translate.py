@@ -15,12 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.nn.attention import SDPBackend
 
 from seq2seq.checkpoint import load_checkpoint
 from seq2seq.config import DecodeConfig, ExperimentConfig, from_dict, to_dict
 from seq2seq.data import make_batches, pad
-from seq2seq.model import Seq2SeqTransformer, kernel_scope
+from seq2seq.model import Seq2SeqTransformer
 from seq2seq.search import Hypothesis, SearchFn, search
 from seq2seq.tokenizer import EOS, PAD, Tokenizer
 
@@ -57,7 +56,6 @@ class Translator:
         self.decode = decode
         self.device = torch.device(device)
         self.search_fn = search_fn  # scripts/bench_decode.py swaps in search.uncached_search
-        self.attention_kernel: SDPBackend | None = None  # PyTorch's choice; scripts/bench_decode.py sets it
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, device: str | torch.device = "cpu", **decode: object) -> Translator:
@@ -85,14 +83,12 @@ class Translator:
         was_training = self.model.training
         self.model.eval()
         try:
-            with kernel_scope(self.attention_kernel):
-                for batch in make_batches([len(ids[i]) for i in todo], self.decode.max_tokens):
-                    indices = [todo[j] for j in batch]
-                    src = pad([ids[i] for i in indices]).to(self.device)
-                    max_len = self.model.max_positions - 1
-                    hyps = self.search_fn(self.model, src, src == PAD, self.decode, max_len, strategy)
-                    for i, h in zip(indices, hyps):
-                        results[i] = h
+            for batch in make_batches([len(ids[i]) for i in todo], self.decode.max_tokens):
+                indices = [todo[j] for j in batch]
+                src = pad([ids[i] for i in indices]).to(self.device)
+                hyps = self.search_fn(self.model, src, src == PAD, self.decode, self.model.max_positions - 1, strategy)
+                for i, h in zip(indices, hyps):
+                    results[i] = h
         finally:
             self.model.train(was_training)
         return [

@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 import torch
 from torch import Tensor
-
 from torch.nn.attention import SDPBackend
 
 from seq2seq.config import ModelConfig
@@ -32,6 +31,8 @@ VARIANTS = {
         "share_all_embeddings": False, "share_decoder_embeddings": False,
     },
 }  # fmt: skip
+# PyTorch's two CPU attention kernels: flash (its own choice without attention dropout) and math (CPU training's)
+KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}
 
 
 def tiny_model(seed: int = 0, **overrides: Any) -> Seq2SeqTransformer:
@@ -64,15 +65,17 @@ def target_batch(length: int = 6, seed: int = 2) -> Tensor:
 # Masks.
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("variant", VARIANTS, ids=list(VARIANTS))
 @torch.no_grad()
-def test_future_target_tokens_do_not_change_earlier_logits(variant: str) -> None:
+def test_future_target_tokens_do_not_change_earlier_logits(variant: str, kernel: str) -> None:
     model = tiny_model(**VARIANTS[variant])
     src, mask = source_batch()
     tgt = target_batch()
     changed = tgt.clone()
     changed[:, 3:] = (tgt[:, 3:] - EOS) % (VOCAB - EOS - 1) + EOS + 1  # different ordinary tokens
-    before, after = model(src, mask, tgt), model(src, mask, changed)
+    with kernel_scope(KERNELS[kernel]):
+        before, after = model(src, mask, tgt), model(src, mask, changed)
     torch.testing.assert_close(after[:, :3], before[:, :3], **CLOSE)
     assert not torch.allclose(after[:, 3:], before[:, 3:], atol=1e-3)  # later positions do see them
 
@@ -116,8 +119,6 @@ def test_projecting_selected_positions_equals_slicing_all_logits() -> None:
 
 # Attention kernels: CPU training asks for PyTorch's math kernel instead of its flash one.
 
-CPU_KERNELS = [SDPBackend.MATH, SDPBackend.FLASH_ATTENTION]
-
 
 def test_math_kernel_for_cpu_training_and_pytorchs_choice_elsewhere() -> None:
     assert training_kernel(torch.device("cpu")) == SDPBackend.MATH
@@ -136,20 +137,6 @@ def test_math_and_flash_kernels_compute_the_same_attention() -> None:
     torch.testing.assert_close(math_, flash, **CLOSE)
 
 
-@pytest.mark.parametrize("kernel", CPU_KERNELS, ids=["math", "flash"])
-@torch.no_grad()
-def test_masking_and_cache_hold_with_either_kernel(kernel: SDPBackend) -> None:
-    model = tiny_model()
-    src, mask = source_batch()
-    tgt = target_batch(length=9)
-    with kernel_scope(kernel):
-        full = model(src, mask, tgt)
-        changed = tgt.clone()
-        changed[:, 5:] = (tgt[:, 5:] - EOS) % (VOCAB - EOS - 1) + EOS + 1
-        torch.testing.assert_close(model(src, mask, changed)[:, :5], full[:, :5], **CLOSE)
-        torch.testing.assert_close(decode_incrementally(model, src, mask, tgt), full, **CLOSE)
-
-
 # Incremental decoding.
 
 
@@ -158,13 +145,15 @@ def decode_incrementally(model: Seq2SeqTransformer, src: Tensor, mask: Tensor, t
     return torch.stack([model.decode_step(tgt[:, t : t + 1], cache) for t in range(tgt.shape[1])], dim=1)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("variant", VARIANTS, ids=list(VARIANTS))
 @torch.no_grad()
-def test_cached_decoding_equals_forward(variant: str) -> None:
+def test_cached_decoding_equals_forward(variant: str, kernel: str) -> None:
     model = tiny_model(**VARIANTS[variant])
     src, mask = source_batch()
     tgt = target_batch(length=9)
-    torch.testing.assert_close(decode_incrementally(model, src, mask, tgt), model(src, mask, tgt), **CLOSE)
+    with kernel_scope(KERNELS[kernel]):
+        torch.testing.assert_close(decode_incrementally(model, src, mask, tgt), model(src, mask, tgt), **CLOSE)
 
 
 @pytest.mark.parametrize("variant", ["pre", "post"])
