@@ -129,7 +129,7 @@ def _bench(trainer: Trainer, name: str, args: argparse.Namespace) -> None:
     """Interleave the two settings round by round on the same batches; print per-round rates and medians."""
     settings = SETTINGS[args.compare]
     first, second = settings
-    batches = [collate(trainer.train_data, b) for b in trainer.epoch_batches(1)[: args.steps * args.rounds]]
+    batches = [collate(trainer.epoch_data(1), b) for b in trainer.epoch_batches(1)[: args.steps * args.rounds]]
     n_params = sum(p.numel() for p in trainer.model.parameters()) / 1e6
     mean_tokens = statistics.mean(b.n_tokens for b in batches)
     print(f"\n{name}: {n_params:.1f}M parameters, batches of {mean_tokens:.0f} target tokens on average")

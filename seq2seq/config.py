@@ -45,10 +45,22 @@ class DataConfig:
     shared_vocab: bool = True
     spm_model_type: Literal["unigram", "bpe"] = "unigram"
     max_len: int = 128  # training pairs with more subwords on either side are dropped
+    # Subword regularisation of the training pairs, a new segmentation every epoch
+    # (seq2seq.tokenizer.Sampling): 0 is off; unigram models take a smoothing
+    # alpha over the sampling_nbest best segmentations, BPE a dropout probability.
+    sampling_alpha: float = 0.0
+    sampling_nbest: int = 64  # -1: all segmentations
 
     def __post_init__(self) -> None:
         _require(self.vocab_size >= 8, "data.vocab_size", "must be at least 8")
         _require(self.max_len >= 1, "data.max_len", "must be positive")
+        _require(self.sampling_alpha >= 0, "data.sampling_alpha", "must be >= 0")
+        _require(
+            self.spm_model_type != "bpe" or self.sampling_alpha < 1,
+            "data.sampling_alpha",
+            "is a dropout probability for BPE and must be below 1",
+        )
+        _require(self.sampling_nbest == -1 or self.sampling_nbest >= 2, "data.sampling_nbest", "must be -1 or >= 2")
         _require(self.src_lang != self.tgt_lang, "data.tgt_lang", "must differ from data.src_lang")
 
 

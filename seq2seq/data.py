@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from seq2seq.config import UserError
-from seq2seq.tokenizer import BOS, EOS, PAD, Tokenizer
+from seq2seq.tokenizer import BOS, EOS, PAD, Sampling, Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -75,11 +75,16 @@ class EncodedCorpus:
 
 
 def encode_corpus(
-    tokenizer: Tokenizer, src_lines: Sequence[str], tgt_lines: Sequence[str], max_len: int, name: str
+    tokenizer: Tokenizer,
+    src_lines: Sequence[str],
+    tgt_lines: Sequence[str],
+    max_len: int,
+    name: str,
+    sampling: Sampling | None = None,
 ) -> EncodedCorpus:
     """Encode and drop empty or over-long pairs (logging how many)."""
-    src_ids = tokenizer.encode_src(src_lines)
-    tgt_ids = tokenizer.encode_tgt(tgt_lines)
+    src_ids = tokenizer.encode_src(src_lines, sampling)
+    tgt_ids = tokenizer.encode_tgt(tgt_lines, sampling)
     kept_src, kept_tgt = [], []
     empty = too_long = 0
     for s, t in zip(src_ids, tgt_ids):
@@ -91,7 +96,8 @@ def encode_corpus(
             kept_src.append(s + [EOS])
             kept_tgt.append(t + [EOS])
     if empty or too_long:
-        log.info("%s: dropped %d empty and %d over-long (> %d subwords) pairs", name, empty, too_long, max_len)
+        level = logging.DEBUG if sampling else logging.INFO  # a sampled corpus is encoded every epoch
+        log.log(level, "%s: dropped %d empty and %d over-long (> %d subwords) pairs", name, empty, too_long, max_len)
     if not kept_src:
         raise DataError(f"{name}: no sentence pairs left after filtering")
     return EncodedCorpus(kept_src, kept_tgt)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import sentencepiece as spm
@@ -18,6 +19,21 @@ PAD = 0
 UNK = 1
 BOS = 2
 EOS = 3
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Subword regularisation (Kudo, 2018): a random segmentation instead of the best one.
+
+    For a unigram model, `alpha` smooths the distribution over the `nbest` best
+    segmentations (-1: all of them; smaller alpha samples more aggressively); for
+    BPE it is the BPE-dropout probability and `nbest` is ignored. One `seed` gives
+    one segmentation, so a training epoch can be encoded again after a resume.
+    """
+
+    alpha: float
+    nbest: int
+    seed: int
 
 
 class Tokenizer:
@@ -41,11 +57,11 @@ class Tokenizer:
     def tgt_vocab_size(self) -> int:
         return self.tgt.get_piece_size()
 
-    def encode_src(self, lines: Sequence[str]) -> list[list[int]]:
-        return self.src.encode(list(lines))
+    def encode_src(self, lines: Sequence[str], sampling: Sampling | None = None) -> list[list[int]]:
+        return _encode(self.src, lines, sampling)
 
-    def encode_tgt(self, lines: Sequence[str]) -> list[list[int]]:
-        return self.tgt.encode(list(lines))
+    def encode_tgt(self, lines: Sequence[str], sampling: Sampling | None = None) -> list[list[int]]:
+        return _encode(self.tgt, lines, sampling)
 
     def decode_tgt(self, ids: Sequence[int]) -> str:
         return self.tgt.decode([i for i in ids if i > EOS])
@@ -109,6 +125,16 @@ def _train(lines: Iterable[str], vocab_size: int, model_type: str) -> bytes:
         # SentencePiece refuses a vocabulary larger than the text supports; say so plainly.
         raise UserError(f"could not train the SentencePiece vocabulary: {e}") from None
     return model.getvalue()
+
+
+def _encode(processor: spm.SentencePieceProcessor, lines: Sequence[str], sampling: Sampling | None) -> list[list[int]]:
+    if sampling is None:
+        return processor.encode(list(lines))
+    # SentencePiece's sampler draws from a global seed; on one thread the sample is a function of it.
+    spm.set_random_generator_seed(sampling.seed)
+    return processor.encode(
+        list(lines), enable_sampling=True, alpha=sampling.alpha, nbest_size=sampling.nbest, num_threads=1
+    )
 
 
 def _load(proto: bytes) -> spm.SentencePieceProcessor:

@@ -21,7 +21,7 @@ from seq2seq.data import (
     read_lines,
     read_parallel,
 )
-from seq2seq.tokenizer import BOS, EOS, PAD, UNK, Tokenizer, train_tokenizer
+from seq2seq.tokenizer import BOS, EOS, PAD, UNK, Sampling, Tokenizer, train_tokenizer
 
 LINES = ["ein Hund", "", "zwei Katzen  laufen", "Grüße, 東京!"]
 
@@ -101,7 +101,7 @@ def test_fake_gz_is_a_data_error_not_a_traceback(tmp_path: Path) -> None:
 class WordTokenizer:
     """One id per whitespace word (ids from 10 up), so lengths are known exactly."""
 
-    def encode_src(self, lines: Sequence[str]) -> list[list[int]]:
+    def encode_src(self, lines: Sequence[str], sampling: Sampling | None = None) -> list[list[int]]:
         return [[10 + len(w) for w in line.split()] for line in lines]
 
     encode_tgt = encode_src
@@ -203,6 +203,20 @@ def test_tokenizer_round_trip_and_special_ids(shared_tokenizer: Tokenizer) -> No
     ids = tok.encode_src(lines)
     assert all(i > EOS for seq in ids for i in seq)  # ordinary text never encodes to a special id
     assert [tok.decode_tgt(seq + [EOS, PAD]) for seq in ids] == ["red cat sun", "moon bird"]
+
+
+@pytest.mark.parametrize("model_type, alpha, nbest", [("unigram", 0.2, -1), ("unigram", 0.1, 8), ("bpe", 0.3, -1)])
+def test_sampled_segmentations_spell_the_same_text_and_follow_the_seed(model_type: str, alpha: float, nbest: int) -> None:
+    src, tgt = reversal_pairs(300, seed=5)
+    tok = train_tokenizer(src, tgt, vocab_size=40, shared=True, model_type=model_type)
+    lines = src[:50]
+    best = tok.encode_src(lines)
+    first = tok.encode_src(lines, Sampling(alpha, nbest, seed=7))
+    assert first == tok.encode_src(lines, Sampling(alpha, nbest, seed=7))  # a resume re-draws the same epoch
+    assert first != tok.encode_src(lines, Sampling(alpha, nbest, seed=8))
+    assert first != best and sum(map(len, first)) > sum(map(len, best))  # samples are mostly finer than the best
+    assert [tok.decode_tgt(ids) for ids in first] == [tok.decode_tgt(ids) for ids in best]
+    assert tok.encode_src(lines) == best  # sampling leaves the deterministic encoding alone
 
 
 def test_tokenizer_state_round_trip(shared_tokenizer: Tokenizer, tmp_path: Path) -> None:

@@ -151,13 +151,17 @@ def test_bf16_autocast_trains_like_fp32_on_cpu(small: Path, tmp_path: Path) -> N
 # Exact resume.
 
 
-@pytest.mark.parametrize("update_freq, stop, end", [(1, 5, 20), (2, 3, 10)])
+@pytest.mark.parametrize(
+    "update_freq, stop, end, sampling",
+    [(1, 5, 20, ()), (2, 3, 10, ()), (1, 5, 40, ("data.sampling_alpha=0.2", "data.sampling_nbest=-1"))],
+)
 def test_resume_reaches_the_same_weights_as_an_uninterrupted_run(
-    small: Path, tmp_path: Path, update_freq: int, stop: int, end: int
+    small: Path, tmp_path: Path, update_freq: int, stop: int, end: int, sampling: tuple[str, ...]
 ) -> None:
-    """Dropout on (so the RNG matters), stopped mid-epoch (so the data position matters), across an epoch end."""
+    """Dropout on (so the RNG matters), stopped mid-epoch (so the data position matters), across an epoch end;
+    with subword sampling, the resumed epoch must be segmented as before."""
     settings = ("model.dropout=0.2", "model.attention_dropout=0.1", f"train.update_freq={update_freq}",
-                "train.warmup_steps=4")  # fmt: skip
+                "train.warmup_steps=4", *sampling)  # fmt: skip
     whole = train(config(small, tmp_path / "whole", *settings, f"train.max_steps={end}"))
     part = train(config(small, tmp_path / "part", *settings, f"train.max_steps={stop}"))
     assert part.step == stop and part.epoch == 1 and part.batch_in_epoch == stop * update_freq
@@ -169,6 +173,22 @@ def test_resume_reaches_the_same_weights_as_an_uninterrupted_run(
     log = (tmp_path / "part" / "train.log").read_text()
     assert f"resuming {tmp_path / 'part'} at step {stop}" in log
     assert f"train.max_steps: {stop} -> {end}" in log
+
+
+def test_subword_sampling_draws_a_new_segmentation_each_epoch(small: Path, tmp_path: Path) -> None:
+    fixed = Trainer(config(small, tmp_path / "fixed"))
+    sampled = Trainer(config(small, tmp_path / "sampled", "data.sampling_alpha=0.2", "data.sampling_nbest=-1"))
+    try:
+        assert fixed.epoch_data(1) is fixed.epoch_data(2) is fixed.train_data
+        first, second = sampled.epoch_data(1).src, sampled.epoch_data(2).src
+        assert first != second != sampled.train_data.src
+        assert sampled.epoch_data(1).src == first  # re-drawn, not remembered
+        assert sampled.valid_data == fixed.valid_data  # validation keeps the best segmentation
+        decode = sampled.tokenizer.decode_tgt
+        assert [decode(ids) for ids in first] == [decode(ids) for ids in sampled.train_data.src]
+    finally:
+        fixed.close()
+        sampled.close()
 
 
 def test_resuming_a_finished_run_changes_nothing(small: Path, tmp_path: Path) -> None:

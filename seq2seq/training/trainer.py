@@ -34,7 +34,7 @@ from seq2seq.checkpoint import (BEST, LAST, average_checkpoints, prune_step_chec
 from seq2seq.config import ExperimentConfig, save_config, to_dict
 from seq2seq.data import Batch, EncodedCorpus, collate, encode_corpus, make_batches, read_parallel
 from seq2seq.model import Seq2SeqTransformer, build_model, kernel_scope, training_kernel
-from seq2seq.tokenizer import Tokenizer, train_tokenizer
+from seq2seq.tokenizer import Sampling, Tokenizer, train_tokenizer
 from seq2seq.training import distributed as dist
 from seq2seq.training import monitor, validation
 from seq2seq.training.device import TrainingError, autocast, resolve_device, resolve_precision
@@ -156,6 +156,8 @@ class Trainer:
         train_src, train_tgt = read_parallel(d.dir, d.train, d.src_lang, d.tgt_lang)
         valid_src, valid_tgt = read_parallel(d.dir, d.valid, d.src_lang, d.tgt_lang)
         train = encode_corpus(self.tokenizer, train_src, train_tgt, d.max_len, f"{d.dir}/{d.train}")
+        self._train_text = (train_src, train_tgt) if d.sampling_alpha else None  # re-encoded every epoch
+        self._sampled: tuple[int, EncodedCorpus] | None = None  # (epoch, its encoding)
         valid_len = self.cfg.model.max_positions - 1
         valid = encode_corpus(self.tokenizer, valid_src, valid_tgt, valid_len, f"{d.dir}/{d.valid}")
         log.info("data: %d training pairs, %d validation pairs", len(train), len(valid))
@@ -221,12 +223,12 @@ class Trainer:
     def _run_epoch(self) -> str:
         """Train on the rest of the current epoch; returns why training must stop, or ''."""
         t, s = self.cfg.train, self.state
-        batches = self.epoch_batches(s.epoch)
+        data, batches = self.epoch_data(s.epoch), self.epoch_batches(s.epoch)
         total, done = math.ceil(len(batches) / t.update_freq), math.ceil(s.batch_in_epoch / t.update_freq)
         with monitor.progress(total, done, f"epoch {s.epoch}", enabled=self.main) as bar:
             for start in range(s.batch_in_epoch, len(batches), t.update_freq):
                 group = batches[start : start + t.update_freq]
-                stats = self.train_step([collate(self.train_data, indices) for indices in group])
+                stats = self.train_step([collate(data, indices) for indices in group])
                 s.batch_in_epoch = start + len(group)
                 bar.update(1)
                 if stats is not None:
@@ -262,12 +264,27 @@ class Trainer:
             self._validate_and_save()
         log.info("training finished at step %d, epoch %d (%s)", s.step, s.epoch, reason.replace("_", " "))
 
+    def epoch_data(self, epoch: int) -> EncodedCorpus:
+        """The training pairs of an epoch: one fixed encoding, or with `data.sampling_alpha`
+        a fresh segmentation drawn from (seed, epoch), the same on every rank and after a resume."""
+        if self._train_text is None:
+            return self.train_data
+        if self._sampled is None or self._sampled[0] != epoch:
+            d = self.cfg.data
+            sampling = Sampling(d.sampling_alpha, d.sampling_nbest, seed=self._epoch_seed(epoch) % 2**32)
+            corpus = encode_corpus(self.tokenizer, *self._train_text, d.max_len, f"{d.dir}/{d.train}", sampling)
+            self._sampled = (epoch, corpus)
+        return self._sampled[1]
+
     def epoch_batches(self, epoch: int) -> list[list[int]]:
         """This rank's batches of an epoch: a pure function of (seed, epoch, rank)."""
         t = self.cfg.train
-        batches = make_batches(self.train_data.lengths(), t.max_tokens, seed=t.seed * 100_003 + epoch)
+        batches = make_batches(self.epoch_data(epoch).lengths(), t.max_tokens, seed=self._epoch_seed(epoch))
         world = dist.world_size()
         return batches[: len(batches) // world * world][dist.rank() :: world]
+
+    def _epoch_seed(self, epoch: int) -> int:
+        return self.cfg.train.seed * 100_003 + epoch
 
     def _should_stop(self) -> str:
         """Why training must stop now ('' if it need not); every rank gets the same answer."""
