@@ -6,6 +6,7 @@
    --no-download for a corpus already in data.dir).
 2. Train. A run directory with a checkpoint resumes; a run that already
    reached its budget just stops again, so re-running only re-scores.
+   Training stopped by a signal (or failing) ends the recipe there.
 3. Average the last k epoch checkpoints, for each k of --average.
 4. Pick, on val, the best of checkpoint_best and the averages, decoding with
    the config's decode settings (the command line's overrides included).
@@ -43,7 +44,11 @@ LAST = "checkpoint_last.pt"
 
 
 def seq2seq(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "seq2seq", *args], check=True)
+    """Run a `seq2seq` subcommand; if it fails or was stopped, so does the recipe (its message is on stderr)."""
+    code = subprocess.run([sys.executable, "-m", "seq2seq", *args]).returncode
+    if code:
+        print(f"run_recipe: `seq2seq {args[0]}` exited with code {code}; nothing was scored", file=sys.stderr)
+        sys.exit(code)
 
 
 def averages(run_dir: Path, sizes: list[int]) -> list[Path]:

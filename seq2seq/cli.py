@@ -2,7 +2,8 @@
 
 Each subcommand parses its arguments and calls one library function. Known
 problems (bad config, bad data, unusable checkpoint) end with one line on
-stderr: exit code 2 for configuration errors, 1 for the rest.
+stderr: exit code 2 for configuration errors, 1 for the rest. Training stopped
+by SIGINT/SIGTERM saves, then exits 130/143 so that nothing takes it for done.
 """
 
 from __future__ import annotations
@@ -129,14 +130,17 @@ def _download(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
-    from seq2seq.training.trainer import train
+    from seq2seq.training.trainer import Trainer
 
     try:
-        train(cfg)
+        trainer = Trainer(cfg)
+        trainer.fit()
     except KeyboardInterrupt:  # before training started, or a second Ctrl-C
         print("seq2seq: interrupted; checkpoint_last.pt (if any) holds the last saved state", file=sys.stderr)
         return 130
-    return 0
+    if trainer.stop.received:
+        print(f"seq2seq: stopped by {trainer.stop.received}; run the same command to resume", file=sys.stderr)
+    return trainer.stop.exit_code
 
 
 def _translator(args: argparse.Namespace) -> Translator:

@@ -46,6 +46,15 @@ def test_recipe_trains_averages_picks_on_val_and_rescores(corpus: Path, tmp_path
     assert rescored["test"] == results["test"]
 
 
+def test_recipe_stops_when_training_fails(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    done = run_recipe(str(TINY), *tiny_overrides(tmp_path / "missing", run_dir), "--no-download")
+    assert done.returncode == 1
+    assert "`seq2seq train` exited with code 1; nothing was scored" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (run_dir / "results.json").exists()
+
+
 def test_recipe_rejects_a_bad_average_list() -> None:
     done = run_recipe(str(TINY), "--average", "5,ten")
     assert done.returncode == 2

@@ -40,3 +40,9 @@ class StopSignal:
             log.warning("%s received: stopping after this update (again to quit without saving)", self.received)
         elif time.monotonic() - self._first > self.grace:
             raise KeyboardInterrupt
+
+    @property
+    def exit_code(self) -> int:
+        """The shell's code for death by the signal received (130, 143), or 0: a run that stopped
+        early must not read as finished to `&&`, `set -e` or a script driving it."""
+        return 128 + signal.Signals[self.received] if self.received else 0
