@@ -122,6 +122,7 @@ class TrainConfig:
     schedule: Literal["inverse_sqrt", "noam", "cosine", "constant"] = "inverse_sqrt"
     warmup_steps: int = 1000
     label_smoothing: float = 0.1
+    rdrop_alpha: float = 0.0  # R-Drop: weight of the KL between two dropout passes (2x the compute); 0: off
     clip_norm: float = 1.0  # 0: no clipping
     valid_every: int = 0  # steps between validations; 0: once per epoch
     valid_bleu: bool = True  # decode the validation set for BLEU at each validation
@@ -151,6 +152,7 @@ class TrainConfig:
             "must be positive for the noam schedule",
         )
         _require(0.0 <= self.label_smoothing < 1.0, "train.label_smoothing", "must be in [0, 1)")
+        _require(self.rdrop_alpha >= 0, "train.rdrop_alpha", "must be >= 0")
         _require(self.clip_norm >= 0, "train.clip_norm", "must be >= 0")
         _require(self.valid_every >= 0, "train.valid_every", "must be >= 0")
         _require(self.patience >= 0, "train.patience", "must be >= 0")
@@ -212,6 +214,12 @@ class ExperimentConfig:
     decode: DecodeConfig = field(default_factory=DecodeConfig)
 
     def __post_init__(self) -> None:
+        m = self.model
+        _require(
+            self.train.rdrop_alpha == 0 or max(m.dropout, m.attention_dropout, m.activation_dropout) > 0,
+            "train.rdrop_alpha",
+            "compares two dropout passes, so it needs some dropout in model",
+        )
         _require(
             not self.model.share_all_embeddings or self.data.shared_vocab,
             "model.share_all_embeddings",

@@ -135,6 +135,8 @@ def test_d_model_not_divisible_by_heads(tmp_path: Path) -> None:
         (["data.shared_vocab=false"], "model.share_all_embeddings needs data.shared_vocab"),
         (["data.max_len=600"], "data.max_len (600) must be below model.max_positions (512)"),
         (["data.sampling_nbest=1"], "data.sampling_nbest must be -1 or >= 2"),
+        (["train.rdrop_alpha=-1"], "train.rdrop_alpha must be >= 0"),
+        (["train.rdrop_alpha=5", "model.dropout=0"], "train.rdrop_alpha compares two dropout passes"),
         (["data.spm_model_type=bpe", "data.sampling_alpha=1"], "data.sampling_alpha is a dropout probability"),
         (["decode.beam_size=2", "decode.nbest=3"], "decode.nbest (3) must not exceed decode.beam_size (2)"),
     ],

@@ -148,20 +148,26 @@ def test_bf16_autocast_trains_like_fp32_on_cpu(small: Path, tmp_path: Path) -> N
     assert losses["fp32"] < 2.5  # from ~4.2 at the start: it did learn
 
 
+def test_rdrop_trains(small: Path, tmp_path: Path) -> None:
+    state = train(config(small, tmp_path / "run", "model.dropout=0.1", "train.rdrop_alpha=2", "train.max_steps=60"))
+    assert state.best < 2.5  # as far as without R-Drop in the test above
+
+
 # Exact resume.
 
 
 @pytest.mark.parametrize(
-    "update_freq, stop, end, sampling",
-    [(1, 5, 20, ()), (2, 3, 10, ()), (1, 5, 40, ("data.sampling_alpha=0.2", "data.sampling_nbest=-1"))],
+    "update_freq, stop, end, extra",
+    [(1, 5, 20, ()), (2, 3, 10, ()), (1, 5, 40, ("data.sampling_alpha=0.2", "data.sampling_nbest=-1")),
+     (2, 3, 10, ("train.rdrop_alpha=2",))],  # fmt: skip
 )
 def test_resume_reaches_the_same_weights_as_an_uninterrupted_run(
-    small: Path, tmp_path: Path, update_freq: int, stop: int, end: int, sampling: tuple[str, ...]
+    small: Path, tmp_path: Path, update_freq: int, stop: int, end: int, extra: tuple[str, ...]
 ) -> None:
     """Dropout on (so the RNG matters), stopped mid-epoch (so the data position matters), across an epoch end;
-    with subword sampling, the resumed epoch must be segmented as before."""
+    with subword sampling, the resumed epoch must be segmented as before; with R-Drop, both passes masked as before."""
     settings = ("model.dropout=0.2", "model.attention_dropout=0.1", f"train.update_freq={update_freq}",
-                "train.warmup_steps=4", *sampling)  # fmt: skip
+                "train.warmup_steps=4", *extra)  # fmt: skip
     whole = train(config(small, tmp_path / "whole", *settings, f"train.max_steps={end}"))
     part = train(config(small, tmp_path / "part", *settings, f"train.max_steps={stop}"))
     assert part.step == stop and part.epoch == 1 and part.batch_in_epoch == stop * update_freq
@@ -278,8 +284,8 @@ def _nan_loss(monkeypatch: pytest.MonkeyPatch, bad: Callable[[int], bool]) -> No
     """Make the training loss of the micro-batches `bad` selects (by call number) NaN."""
     real, calls = trainer_module.batch_loss, [0]
 
-    def loss(model: torch.nn.Module, batch: object, epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
-        value, nll = real(model, batch, epsilon)
+    def loss(model: torch.nn.Module, batch: object, *args: float) -> tuple[torch.Tensor, torch.Tensor]:
+        value, nll = real(model, batch, *args)
         calls[0] += 1
         return (value * math.nan, nll) if model.training and bad(calls[0]) else (value, nll)
 

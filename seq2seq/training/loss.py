@@ -49,8 +49,27 @@ def label_smoothed_loss(logits: Tensor, target: Tensor, epsilon: float) -> tuple
     return loss.sum(), nll.sum().detach()
 
 
-def batch_loss(model: torch.nn.Module, batch: Batch, epsilon: float) -> tuple[Tensor, Tensor]:
-    """Teacher-forced summed (smoothed loss, nll) of a batch, scoring only real target tokens."""
+def symmetric_kl(logits_p: Tensor, logits_q: Tensor) -> Tensor:
+    """KL(p||q) + KL(q||p), summed over positions; logits: (N, V) each."""
+    logp, logq = torch.log_softmax(logits_p.float(), -1), torch.log_softmax(logits_q.float(), -1)
+    return ((logp.exp() - logq.exp()) * (logp - logq)).sum()
+
+
+def batch_loss(model: torch.nn.Module, batch: Batch, epsilon: float, rdrop_alpha: float = 0.0) -> tuple[Tensor, Tensor]:
+    """Teacher-forced summed (smoothed loss, nll) of a batch, scoring only real target tokens.
+
+    With `rdrop_alpha` > 0 in training, R-Drop (Liang et al., 2021): the batch
+    goes through the model twice in one call, under two dropout masks, and
+    alpha times the symmetric KL between the two predictions, halved, is added.
+    Everything is halved against the paper, which keeps the loss on the scale
+    of one pass (Adam does not see the factor).
+    """
     keep = batch.tgt_out != PAD  # (B, T)
-    logits = model(batch.src, batch.src_pad_mask, batch.tgt_in, keep)  # (N, V)
-    return label_smoothed_loss(logits, batch.tgt_out[keep], epsilon)
+    target = batch.tgt_out[keep]  # (N,)
+    if rdrop_alpha <= 0 or not model.training:
+        logits = model(batch.src, batch.src_pad_mask, batch.tgt_in, keep)  # (N, V)
+        return label_smoothed_loss(logits, target, epsilon)
+    twice = [torch.cat([t, t]) for t in (batch.src, batch.src_pad_mask, batch.tgt_in, keep)]
+    logits = model(*twice)  # (2N, V): the first copy's positions, then the second's
+    loss, nll = label_smoothed_loss(logits, torch.cat([target, target]), epsilon)
+    return loss / 2 + rdrop_alpha / 4 * symmetric_kl(*logits.chunk(2)), nll / 2

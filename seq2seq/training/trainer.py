@@ -331,7 +331,7 @@ class Trainer:
 
         Returns the summed (loss, nll) and the number of target tokens, over all ranks.
         """
-        world, rank = dist.world_size(), dist.rank()
+        t, world, rank = self.cfg.train, dist.world_size(), dist.rank()
         tokens = dist.sum_all([float(sum(b.n_tokens for b in batches))], self.device)[0]
         scale = world / tokens  # DDP averages gradients over ranks; undo that
         model = self.ddp or self.model
@@ -342,7 +342,7 @@ class Trainer:
             last = i == len(batches) - 1
             with contextlib.nullcontext() if self.ddp is None or last else self.ddp.no_sync():
                 with autocast(self.precision, self.device), kernel_scope(self.attention_kernel):
-                    loss, nll = batch_loss(model, batch.to(self.device), self.cfg.train.label_smoothing)
+                    loss, nll = batch_loss(model, batch.to(self.device), t.label_smoothing, t.rdrop_alpha)
                 self.scaler.scale(loss * scale).backward()
             loss_sum += loss.detach()
             nll_sum += nll.detach()
