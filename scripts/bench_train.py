@@ -6,7 +6,8 @@ backward, clipping, Adam step) through `Trainer.train_step`, the code path
 bf16 autocast; `--compare attention` sets PyTorch's two CPU attention kernels
 against each other in bf16: flash, which `scaled_dot_product_attention`
 picks by itself when attention dropout is 0, and math (matmul, softmax,
-matmul), which the trainer asks for on CPU (`seq2seq.model.training_kernel`).
+matmul), which the trainer asks for on CPU (`seq2seq.model.training_kernel`);
+`--compare rdrop` sets plain updates against R-Drop's (`train.rdrop_alpha`).
 Models:
 
 - quickstart: configs/quickstart.yaml (3+3 layers, d_model 256, d_ff 1024)
@@ -34,6 +35,7 @@ tokens, medians) decides `train.precision=auto` on CPU, see
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import statistics
 import sys
@@ -59,10 +61,11 @@ MODELS = {
     "big": ["model.d_model=512", "model.n_heads=8", "model.d_ff=2048", "model.encoder_layers=6",
             "model.decoder_layers=6"],  # fmt: skip
 }
-# setting name -> (precision, attention kernel; None: PyTorch's choice)
-SETTINGS: dict[str, dict[str, tuple[str, SDPBackend | None]]] = {
-    "precision": {"fp32": ("fp32", SDPBackend.MATH), "bf16": ("bf16", SDPBackend.MATH)},
-    "attention": {"flash": ("bf16", SDPBackend.FLASH_ATTENTION), "math": ("bf16", SDPBackend.MATH)},
+# setting name -> (precision, attention kernel (None: PyTorch's choice), train.rdrop_alpha)
+SETTINGS: dict[str, dict[str, tuple[str, SDPBackend | None, float]]] = {
+    "precision": {"fp32": ("fp32", SDPBackend.MATH, 0.0), "bf16": ("bf16", SDPBackend.MATH, 0.0)},
+    "attention": {"flash": ("bf16", SDPBackend.FLASH_ATTENTION, 0.0), "math": ("bf16", SDPBackend.MATH, 0.0)},
+    "rdrop": {"plain": ("bf16", SDPBackend.MATH, 0.0), "rdrop": ("bf16", SDPBackend.MATH, 5.0)},
 }
 
 
@@ -166,9 +169,10 @@ def _bench_matmul(rounds: int) -> None:
     print(f"matmul 4096x512 @ 512x2048: fp32 {fp32:.0f} GFLOP/s, bf16 {bf16:.0f} GFLOP/s ({bf16 / fp32:.2f}x)")
 
 
-def _rate(trainer: Trainer, precision: str, kernel: SDPBackend | None, batches: list[Batch]) -> float:
+def _rate(trainer: Trainer, precision: str, kernel: SDPBackend | None, rdrop: float, batches: list[Batch]) -> float:
     """Target tokens per second of full training updates, one batch per update."""
     trainer.precision, trainer.attention_kernel = precision, kernel
+    trainer.cfg = dataclasses.replace(trainer.cfg, train=dataclasses.replace(trainer.cfg.train, rdrop_alpha=rdrop))
     start = time.perf_counter()
     for batch in batches:
         trainer.train_step([batch])
