@@ -16,7 +16,8 @@
    - sacreBLEU's default (cased, detokenized, 13a): the headline score;
    - lower-cased Moses-tokenized BLEU against the dataset's `lc.norm.tok`
      references with `tokenize='none'`: the convention of published Multi30k
-     numbers (see seq2seq.metrics.tokenized_bleu).
+     numbers (see seq2seq.metrics.tokenized_bleu);
+   each BLEU with its 95% bootstrap interval (1,000 resampled test sets).
 
 Writes `results.json`, `results.md` and the val/test translations into the
 run directory.
@@ -41,6 +42,7 @@ from seq2seq.data import find_file, read_lines
 from seq2seq.translate import Translator
 
 LAST = "checkpoint_last.pt"
+BOOTSTRAP = 1000  # resampled test sets for the 95% intervals of the test BLEU scores
 
 
 def seq2seq(*args: str) -> None:
@@ -75,12 +77,14 @@ def translate(checkpoint: Path, cfg: ExperimentConfig, split: str) -> list[str]:
 
 def test_scores(hyps: list[str], refs: list[str], cfg: ExperimentConfig) -> dict:
     d = cfg.data
-    bleu = metrics.bleu(hyps, refs)
-    scores = {"sacrebleu": round(bleu.score, 2), "chrf": round(metrics.chrf(hyps, refs).score, 2),
-              "ter": round(metrics.ter(hyps, refs).score, 2), "signature": bleu.signature}  # fmt: skip
+    bleu = metrics.bleu(hyps, refs, n_bootstrap=BOOTSTRAP)
+    scores = {"sacrebleu": round(bleu.score, 2), "sacrebleu_ci95": round(float(bleu.ci95), 2),
+              "chrf": round(metrics.chrf(hyps, refs).score, 2), "ter": round(metrics.ter(hyps, refs).score, 2),
+              "signature": bleu.signature}  # fmt: skip
     tok_path = Path(d.dir) / "tok" / f"{d.test}.lc.norm.tok.{d.tgt_lang}"
     if tok_path.is_file():
-        scores["tok_lc_bleu"] = round(metrics.tokenized_bleu(hyps, read_lines(tok_path), d.tgt_lang).score, 2)
+        tok = metrics.tokenized_bleu(hyps, read_lines(tok_path), d.tgt_lang, n_bootstrap=BOOTSTRAP)
+        scores["tok_lc_bleu"], scores["tok_lc_bleu_ci95"] = round(tok.score, 2), round(float(tok.ci95), 2)
     return scores
 
 
@@ -97,7 +101,9 @@ def markdown(results: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
         f"| {results['pair']} | {results['params_millions']}M | {results['updates']} | {results['epochs']} "
         f"| {results['train_minutes']} | {results['picked']} | {results['val'][results['picked']]} "
-        f"| {t['sacrebleu']} | {t.get('tok_lc_bleu', '-')} | {t['chrf']} |",
+        f"| {_interval(t, 'sacrebleu')} | {_interval(t, 'tok_lc_bleu')} | {t['chrf']} |",
+        "",
+        "Test BLEU ± the half-width of its 95% interval over 1,000 resampled test sets (sacreBLEU's bootstrap).",
         "",
         "| candidate | val sacreBLEU |",
         "|---|---|",
@@ -109,6 +115,10 @@ def markdown(results: dict) -> str:
           for e in results["examples"]),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _interval(scores: dict, key: str) -> str:
+    return f"{scores[key]} ± {scores[key + '_ci95']}" if key in scores else "-"
 
 
 def average_sizes(text: str) -> list[int]:

@@ -78,6 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ref", help="reference file (default: the config's test split)")
     p.add_argument("--lowercase", action="store_true", help="also report lower-cased BLEU")
     p.add_argument("--tok-ref", help="tokenized lower-cased reference (Multi30k lc.norm.tok) for tokenized BLEU")
+    p.add_argument("--bootstrap", type=int, default=1, metavar="N",
+                   help="BLEU's 95%% interval from N resampled test sets (sacreBLEU's, seeded; 1000 is usual)")  # fmt: skip
     p.add_argument("--save", help="write the translations here")
     p.set_defaults(run=_evaluate)
 
@@ -242,12 +244,15 @@ def _evaluate(args: argparse.Namespace) -> int:
         raise DataError(f"{len(hyps)} hypotheses but {len(refs)} references")
     if args.save:
         Path(args.save).write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
-    scores = [metrics.bleu(hyps, refs), metrics.chrf(hyps, refs), metrics.ter(hyps, refs)]
+    if args.bootstrap < 1:
+        raise ConfigError(f"--bootstrap must be at least 1, got {args.bootstrap}")
+    n = args.bootstrap
+    scores = [metrics.bleu(hyps, refs, n_bootstrap=n), metrics.chrf(hyps, refs), metrics.ter(hyps, refs)]
     if args.lowercase:
-        scores.append(metrics.bleu(hyps, refs, lowercase=True))
+        scores.append(metrics.bleu(hyps, refs, lowercase=True, n_bootstrap=n))
     if args.tok_ref:
         lang = translator.config.data.tgt_lang if not args.hypotheses else Path(args.tok_ref).suffix.lstrip(".")
-        scores.append(metrics.tokenized_bleu(hyps, read_lines(args.tok_ref), lang))
+        scores.append(metrics.tokenized_bleu(hyps, read_lines(args.tok_ref), lang, n_bootstrap=n))
     for score in scores:
         print(score)
     return 0

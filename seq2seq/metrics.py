@@ -21,9 +21,19 @@ class Score:
     name: str
     score: float
     signature: str
+    ci95: float | None = None  # half-width of the 95% bootstrap interval, when resampled
 
     def __str__(self) -> str:
-        return f"{self.name} = {self.score:.2f}  ({self.signature})"
+        interval = f" ± {self.ci95:.2f} (95% bootstrap)" if self.ci95 is not None else ""
+        return f"{self.name} = {self.score:.2f}{interval}  ({self.signature})"
+
+
+def _bleu_score(name: str, metric: sacrebleu.BLEU, hyps: list[str], refs: list[str], n_bootstrap: int) -> Score:
+    """The corpus score; with n_bootstrap > 1 also how much it moves over resampled test sets
+    (sacreBLEU's resampling, seeded, so reruns agree): a 1,000-sentence test set is small."""
+    result = metric.corpus_score(hyps, [refs], n_bootstrap=n_bootstrap)
+    ci95 = float(result._ci) if n_bootstrap > 1 else None
+    return Score(name, result.score, str(metric.get_signature()), ci95)
 
 
 def _check(hypotheses: Sequence[str], references: Sequence[str]) -> None:
@@ -31,11 +41,10 @@ def _check(hypotheses: Sequence[str], references: Sequence[str]) -> None:
         raise UserError(f"{len(hypotheses)} hypotheses but {len(references)} references")
 
 
-def bleu(hypotheses: Sequence[str], references: Sequence[str], lowercase: bool = False) -> Score:
+def bleu(hypotheses: Sequence[str], references: Sequence[str], lowercase: bool = False, n_bootstrap: int = 1) -> Score:
     _check(hypotheses, references)
-    metric = sacrebleu.BLEU(lowercase=lowercase)
-    result = metric.corpus_score(list(hypotheses), [list(references)])
-    return Score("BLEU" + (" (lowercase)" if lowercase else ""), result.score, str(metric.get_signature()))
+    name = "BLEU" + (" (lowercase)" if lowercase else "")
+    return _bleu_score(name, sacrebleu.BLEU(lowercase=lowercase), list(hypotheses), list(references), n_bootstrap)
 
 
 def chrf(hypotheses: Sequence[str], references: Sequence[str]) -> Score:
@@ -61,10 +70,11 @@ def moses_lowercase_tokenize(lines: Sequence[str], lang: str) -> list[str]:
     return [tokenizer.tokenize(normalizer.normalize(line.lower()), return_str=True, escape=True) for line in lines]
 
 
-def tokenized_bleu(hypotheses: Sequence[str], tokenized_references: Sequence[str], lang: str) -> Score:
+def tokenized_bleu(
+    hypotheses: Sequence[str], tokenized_references: Sequence[str], lang: str, n_bootstrap: int = 1
+) -> Score:
     """BLEU of Moses-tokenized lower-cased hypotheses against already tokenized references."""
     _check(hypotheses, tokenized_references)
     metric = sacrebleu.BLEU(tokenize="none", force=True)
     hyps = moses_lowercase_tokenize(hypotheses, lang)
-    result = metric.corpus_score(hyps, [list(tokenized_references)])
-    return Score("BLEU (lc, Moses-tokenized)", result.score, str(metric.get_signature()))
+    return _bleu_score("BLEU (lc, Moses-tokenized)", metric, hyps, list(tokenized_references), n_bootstrap)

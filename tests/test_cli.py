@@ -206,6 +206,27 @@ def test_evaluate_tokenized_bleu_takes_the_language_from_the_file_name(
     assert capsys.readouterr().out.splitlines()[-1].startswith("BLEU (lc, Moses-tokenized) = 100.00")
 
 
+def test_evaluate_bootstrap_adds_an_interval_and_keeps_the_score(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rng = random.Random(0)
+    words = "a dog cat runs sleeps the on mat red ball".split()
+    refs = [" ".join(rng.choices(words, k=8)) for _ in range(200)]
+    hyps = [" ".join(w if rng.random() < 0.7 else rng.choice(words) for w in r.split()) for r in refs]
+    ref, hyp = tmp_path / "ref.txt", tmp_path / "hyp.txt"
+    ref.write_text("\n".join(refs) + "\n", encoding="utf-8")
+    hyp.write_text("\n".join(hyps) + "\n", encoding="utf-8")
+    assert main(["evaluate", "--hypotheses", str(hyp), "--ref", str(ref)]) == 0
+    plain = capsys.readouterr().out.splitlines()[0]
+    assert main(["evaluate", "--hypotheses", str(hyp), "--ref", str(ref), "--bootstrap", "200"]) == 0
+    resampled = capsys.readouterr().out.splitlines()[0]
+    score = plain.split()[2]
+    assert "±" not in plain and resampled.startswith(f"BLEU = {score} ± ") and "bs:200" in resampled
+    assert 0 < float(resampled.split()[4]) < 20
+    assert main(["evaluate", "--hypotheses", str(hyp), "--ref", str(ref), "--bootstrap", "0"]) == 2
+    assert "--bootstrap must be at least 1" in one_error_line(capsys)
+
+
 # Bad input to train.
 
 

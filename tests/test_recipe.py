@@ -36,6 +36,7 @@ def test_recipe_trains_averages_picks_on_val_and_rescores(corpus: Path, tmp_path
     assert len(hyps) == len(refs) == 100
     # the reported score is the picked checkpoint's saved test output scored against the references
     assert results["test"]["sacrebleu"] == round(metrics.bleu(hyps, refs).score, 2)
+    assert 0 < results["test"]["sacrebleu_ci95"] < 20  # the test set is only 100 sentences
     assert results["examples"] == [{"source": src[0], "reference": refs[0], "ours": hyps[0]}]
     assert (run_dir / "results.md").read_text(encoding="utf-8").startswith("| pair |")
 
