@@ -52,9 +52,9 @@ def label_smoothed_loss(logits: Tensor, target: Tensor, epsilon: float) -> tuple
 class _SymmetricKL(torch.autograd.Function):
     """KL(p||q) + KL(q||p) with its closed-form gradient, computed a block of rows at a time.
 
-    Through autograd this is about twenty passes over two (N, V) arrays, 3.5x
-    slower than this on a CPU, where a block's intermediates stay in cache
-    (a GPU takes all rows at once).
+    Through autograd this is about twenty passes over two (N, V) arrays in
+    memory; here, on a CPU, a block's intermediates stay in cache (a GPU takes
+    all rows at once).
     With d = log p - log q, the gradients are p (d - KL(p||q) + 1) - q with
     respect to p's logits and q (1 - KL(q||p) - d) - p with respect to q's.
     """
