@@ -122,7 +122,7 @@ class TrainConfig:
     schedule: Literal["inverse_sqrt", "noam", "cosine", "constant"] = "inverse_sqrt"
     warmup_steps: int = 1000
     label_smoothing: float = 0.1
-    rdrop_alpha: float = 0.0  # R-Drop: weight of the KL between two dropout passes (2x the compute); 0: off
+    rdrop_alpha: float = 0.0  # R-Drop: weight of the KL between two dropout passes (2.5x the CPU time); 0: off
     clip_norm: float = 1.0  # 0: no clipping
     valid_every: int = 0  # steps between validations; 0: once per epoch
     valid_bleu: bool = True  # decode the validation set for BLEU at each validation
