@@ -148,7 +148,16 @@ def test_bf16_autocast_trains_like_fp32_on_cpu(small: Path, tmp_path: Path) -> N
     assert losses["fp32"] < 2.5  # from ~4.2 at the start: it did learn
 
 
-def test_rdrop_trains(small: Path, tmp_path: Path) -> None:
+def test_rdrop_reaches_the_training_step_and_trains(small: Path, tmp_path: Path) -> None:
+    losses = []
+    for alpha in (1e-6, 2.0):  # R-Drop on in both: the same two dropout masks, a heavier KL in the second
+        trainer = Trainer(config(small, tmp_path / f"alpha{alpha}", "model.dropout=0.1", f"train.rdrop_alpha={alpha}"))
+        try:
+            batch = collate(trainer.train_data, trainer.epoch_batches(1)[0])
+            losses.append(trainer.accumulate([batch], step=1)[0])
+        finally:
+            trainer.close()
+    assert losses[1] > losses[0]
     state = train(config(small, tmp_path / "run", "model.dropout=0.1", "train.rdrop_alpha=2", "train.max_steps=60"))
     assert state.best < 2.5  # as far as without R-Drop in the test above
 

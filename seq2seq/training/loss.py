@@ -103,6 +103,6 @@ def batch_loss(model: torch.nn.Module, batch: Batch, epsilon: float, rdrop_alpha
         logits = model(batch.src, batch.src_pad_mask, batch.tgt_in, keep)  # (N, V)
         return label_smoothed_loss(logits, target, epsilon)
     twice = [torch.cat([t, t]) for t in (batch.src, batch.src_pad_mask, batch.tgt_in, keep)]
-    logits = model(*twice)  # (2N, V): the first copy's positions, then the second's
+    logits = model(*twice).float()  # (2N, V): the first copy's positions, then the second's; fp32 once for both terms
     loss, nll = label_smoothed_loss(logits, torch.cat([target, target]), epsilon)
     return loss / 2 + rdrop_alpha / 4 * symmetric_kl(*logits.chunk(2)), nll / 2
