@@ -83,8 +83,15 @@ def ensure_checkpoint(path: Path, minutes: float) -> None:
         return
     if minutes <= 0:
         sys.exit(f"bench_decode: no checkpoint at {path}; give --checkpoint or --train-minutes")
-    command = [str(ROOT / ".venv/bin/seq2seq"), "train", "--config", str(ROOT / "configs/quickstart.yaml"),
-               f"train.run_dir={path.parent}", f"train.max_minutes={minutes}", "train.valid_bleu=false"]  # fmt: skip
+    command = [
+        str(ROOT / ".venv/bin/seq2seq"),
+        "train",
+        "--config",
+        str(ROOT / "configs/quickstart.yaml"),
+        f"train.run_dir={path.parent}",
+        f"train.max_minutes={minutes}",
+        "train.valid_bleu=false",
+    ]
     print("training:", " ".join(command), file=sys.stderr)
     subprocess.run(command, check=True)
 
@@ -134,8 +141,10 @@ def main() -> None:
             ratios[mode].append(ours.speed / base.speed)
             mismatched = sum(a != b for a, b in zip(ours.outputs, base.outputs))
             if mismatched:
-                print(f"warning: {mode}: {mismatched} sentences differ between {setting[0]} and {baseline[0]}",
-                      file=sys.stderr)  # fmt: skip
+                print(
+                    f"warning: {mode}: {mismatched} sentences differ between {setting[0]} and {baseline[0]}",
+                    file=sys.stderr,
+                )
     report(args, lines, runs, ratios)
 
 

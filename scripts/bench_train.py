@@ -56,10 +56,20 @@ from seq2seq.training.trainer import Trainer  # noqa: E402
 
 MODELS = {
     "quickstart": [],
-    "tiny": ["model.d_model=128", "model.n_heads=4", "model.d_ff=256", "model.encoder_layers=4",
-             "model.decoder_layers=4"],  # fmt: skip
-    "big": ["model.d_model=512", "model.n_heads=8", "model.d_ff=2048", "model.encoder_layers=6",
-            "model.decoder_layers=6"],  # fmt: skip
+    "tiny": [
+        "model.d_model=128",
+        "model.n_heads=4",
+        "model.d_ff=256",
+        "model.encoder_layers=4",
+        "model.decoder_layers=4",
+    ],
+    "big": [
+        "model.d_model=512",
+        "model.n_heads=8",
+        "model.d_ff=2048",
+        "model.encoder_layers=6",
+        "model.decoder_layers=6",
+    ],
 }
 # setting name -> (precision, attention kernel (None: PyTorch's choice), train.rdrop_alpha)
 SETTINGS: dict[str, dict[str, tuple[str, SDPBackend | None, float]]] = {
@@ -123,8 +133,15 @@ def _tokenizer(args: argparse.Namespace) -> Tokenizer:
 
 
 def _config(args: argparse.Namespace, name: str, run_dir: str) -> ExperimentConfig:
-    overrides = [f"data.dir={args.data}", f"train.run_dir={run_dir}", "train.device=cpu", "train.valid_bleu=false",
-                 f"train.max_tokens={args.max_tokens}", f"train.threads={args.threads}", *MODELS[name]]  # fmt: skip
+    overrides = [
+        f"data.dir={args.data}",
+        f"train.run_dir={run_dir}",
+        "train.device=cpu",
+        "train.valid_bleu=false",
+        f"train.max_tokens={args.max_tokens}",
+        f"train.threads={args.threads}",
+        *MODELS[name],
+    ]
     return load_config(ROOT / "configs/quickstart.yaml", overrides)
 
 
@@ -147,11 +164,16 @@ def _bench(trainer: Trainer, name: str, args: argparse.Namespace) -> None:
         for s in settings:
             rates[s].append(now[s])
         ratios.append(now[second] / now[first])
-        print(f"  round {r + 1}: " + ", ".join(f"{s} {now[s]:.0f} tok/s" for s in settings) +
-              f", {second}/{first} {ratios[-1]:.2f}")  # fmt: skip
+        print(
+            f"  round {r + 1}: "
+            + ", ".join(f"{s} {now[s]:.0f} tok/s" for s in settings)
+            + f", {second}/{first} {ratios[-1]:.2f}"
+        )
     medians = ", ".join(f"{s} {statistics.median(rates[s]):.0f} tok/s" for s in settings)
-    print(f"  median: {medians}; {second}/{first} ratio median {statistics.median(ratios):.2f} "
-          f"(min {min(ratios):.2f}, max {max(ratios):.2f})")  # fmt: skip
+    print(
+        f"  median: {medians}; {second}/{first} ratio median {statistics.median(ratios):.2f} "
+        f"(min {min(ratios):.2f}, max {max(ratios):.2f})"
+    )
 
 
 def _bench_matmul(rounds: int) -> None:

@@ -1,6 +1,6 @@
 """Plot validation BLEU and loss against training time from runs' TensorBoard logs.
 
-    python scripts/plot_curves.py runs/m30k_de_en runs/m30k_en_de -o docs/curves.png
+python scripts/plot_curves.py runs/m30k_de_en runs/m30k_en_de -o docs/curves.png
 """
 
 from __future__ import annotations

@@ -78,9 +78,13 @@ def translate(checkpoint: Path, cfg: ExperimentConfig, split: str) -> list[str]:
 def test_scores(hyps: list[str], refs: list[str], cfg: ExperimentConfig) -> dict:
     d = cfg.data
     bleu = metrics.bleu(hyps, refs, n_bootstrap=BOOTSTRAP)
-    scores = {"sacrebleu": round(bleu.score, 2), "sacrebleu_ci95": round(float(bleu.ci95), 2),
-              "chrf": round(metrics.chrf(hyps, refs).score, 2), "ter": round(metrics.ter(hyps, refs).score, 2),
-              "signature": bleu.signature}  # fmt: skip
+    scores = {
+        "sacrebleu": round(bleu.score, 2),
+        "sacrebleu_ci95": round(float(bleu.ci95), 2),
+        "chrf": round(metrics.chrf(hyps, refs).score, 2),
+        "ter": round(metrics.ter(hyps, refs).score, 2),
+        "signature": bleu.signature,
+    }
     tok_path = Path(d.dir) / "tok" / f"{d.test}.lc.norm.tok.{d.tgt_lang}"
     if tok_path.is_file():
         tok = metrics.tokenized_bleu(hyps, read_lines(tok_path), d.tgt_lang, n_bootstrap=BOOTSTRAP)
@@ -111,8 +115,10 @@ def markdown(results: dict) -> str:
         "",
         "| source | reference | ours |",
         "|---|---|---|",
-        *("| " + " | ".join(e[k].replace("|", "\\|") for k in ("source", "reference", "ours")) + " |"
-          for e in results["examples"]),
+        *(
+            "| " + " | ".join(e[k].replace("|", "\\|") for k in ("source", "reference", "ours")) + " |"
+            for e in results["examples"]
+        ),
     ]
     return "\n".join(lines) + "\n"
 
@@ -136,8 +142,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*", help="section.key=value")
-    parser.add_argument("--average", type=average_sizes, metavar="K[,K...]",
-                        help="sizes of last-k averages (default: train.average_last)")  # fmt: skip
+    parser.add_argument(
+        "--average",
+        type=average_sizes,
+        metavar="K[,K...]",
+        help="sizes of last-k averages (default: train.average_last)",
+    )
     parser.add_argument("--no-download", action="store_true", help="use the corpus already in data.dir")
     args = parser.parse_args()
     start = time.monotonic()

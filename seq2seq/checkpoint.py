@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from seq2seq.config import ConfigError, UserError, ExperimentConfig, from_dict, to_dict
+from seq2seq.config import ConfigError, ExperimentConfig, UserError, from_dict, to_dict
 from seq2seq.model import Seq2SeqTransformer, build_model
 from seq2seq.tokenizer import Tokenizer
 
@@ -131,8 +131,17 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
     try:
         # weights_only: a checkpoint is data (tensors, numbers, strings, bytes), never code to run.
         data = torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError,
-            OverflowError, MemoryError, UnicodeDecodeError) as e:  # fmt: skip
+    except (
+        RuntimeError,
+        EOFError,
+        OSError,
+        pickle.UnpicklingError,
+        zipfile.BadZipFile,
+        ValueError,
+        OverflowError,
+        MemoryError,
+        UnicodeDecodeError,
+    ) as e:
         first_line = (str(e).splitlines() or [type(e).__name__])[0]
         raise CheckpointError(f"{path}: not a readable checkpoint (corrupt or truncated?): {first_line}") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:

@@ -65,10 +65,17 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--input", "-i", help="input file (default: stdin)")
     p.add_argument("--output", "-o", help="output file (default: stdout)")
-    p.add_argument("--format", choices=["text", "jsonl"], default="text",
-                   help="text: one translation per line; jsonl: n-best, scores, token log-probabilities")
-    p.add_argument("--interactive", action="store_true",
-                   help="translate each stdin line as it arrives (the default when stdin is a terminal)")
+    p.add_argument(
+        "--format",
+        choices=["text", "jsonl"],
+        default="text",
+        help="text: one translation per line; jsonl: n-best, scores, token log-probabilities",
+    )
+    p.add_argument(
+        "--interactive",
+        action="store_true",
+        help="translate each stdin line as it arrives (the default when stdin is a terminal)",
+    )
     p.set_defaults(run=_translate)
 
     p = sub.add_parser("evaluate", help="score a checkpoint or a hypothesis file with sacreBLEU")
@@ -78,8 +85,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ref", help="reference file (default: the config's test split)")
     p.add_argument("--lowercase", action="store_true", help="also report lower-cased BLEU")
     p.add_argument("--tok-ref", help="tokenized lower-cased reference (Multi30k lc.norm.tok) for tokenized BLEU")
-    p.add_argument("--bootstrap", type=int, default=1, metavar="N",
-                   help="BLEU's 95%% interval from N resampled test sets (sacreBLEU's, seeded; 1000 is usual)")  # fmt: skip
+    p.add_argument(
+        "--bootstrap",
+        type=int,
+        default=1,
+        metavar="N",
+        help="BLEU's 95%% interval from N resampled test sets (sacreBLEU's, seeded; 1000 is usual)",
+    )
     p.add_argument("--save", help="write the translations here")
     p.set_defaults(run=_evaluate)
 
@@ -95,8 +107,12 @@ def _parser() -> argparse.ArgumentParser:
 def _add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--checkpoint", "-c", required=required, help="checkpoint file (e.g. RUN/checkpoint_best.pt)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--threads", type=int, default=0,
-                   help="CPU threads for torch (default: torch's choice; 1 is faster on a busy machine)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="CPU threads for torch (default: torch's choice; 1 is faster on a busy machine)",
+    )
     p.add_argument("overrides", nargs="*", metavar="decode.key=value", help="decoding overrides")
 
 
@@ -216,8 +232,13 @@ def _format(result: Translation, fmt: str) -> str:
             "translation": result.text,
             "score": result.hypotheses[0].score if result.hypotheses else None,
             "nbest": [
-                {"translation": text, "score": h.score, "tokens": h.tokens, "pieces": pieces,
-                 "token_logprobs": h.token_scores}
+                {
+                    "translation": text,
+                    "score": h.score,
+                    "tokens": h.tokens,
+                    "pieces": pieces,
+                    "token_logprobs": h.token_scores,
+                }
                 for text, pieces, h in zip(result.texts, result.pieces, result.hypotheses)
             ],
         },

@@ -323,9 +323,13 @@ SearchFn = Callable[..., list[list[Hypothesis]]]
 
 
 def search(
-    model: IncrementalModel, src: Tensor, src_pad_mask: Tensor, cfg: DecodeConfig, limit: int,
+    model: IncrementalModel,
+    src: Tensor,
+    src_pad_mask: Tensor,
+    cfg: DecodeConfig,
+    limit: int,
     strategy: str | None = None,
-) -> list[list[Hypothesis]]:  # fmt: skip
+) -> list[list[Hypothesis]]:
     """Hypotheses for each sentence of src (B, S), best first; `strategy` defaults to cfg.strategy.
 
     `limit` caps the tokens before EOS (the model's positions minus one).
@@ -389,8 +393,12 @@ class UncachedModel:
 
 
 def uncached_search(
-    model: Seq2SeqTransformer, src: Tensor, src_pad_mask: Tensor, cfg: DecodeConfig, limit: int,
+    model: Seq2SeqTransformer,
+    src: Tensor,
+    src_pad_mask: Tensor,
+    cfg: DecodeConfig,
+    limit: int,
     strategy: str | None = None,
-) -> list[list[Hypothesis]]:  # fmt: skip
+) -> list[list[Hypothesis]]:
     """`search` without the key/value cache (reference and baseline only: quadratic in the length)."""
     return search(UncachedModel(model), src, src_pad_mask, cfg, limit, strategy)

@@ -47,9 +47,14 @@ class Translator:
     """
 
     def __init__(
-        self, model: Seq2SeqTransformer, tokenizer: Tokenizer, decode: DecodeConfig, device: str | torch.device = "cpu",
-        config: ExperimentConfig | None = None, search_fn: SearchFn = search,
-    ) -> None:  # fmt: skip
+        self,
+        model: Seq2SeqTransformer,
+        tokenizer: Tokenizer,
+        decode: DecodeConfig,
+        device: str | torch.device = "cpu",
+        config: ExperimentConfig | None = None,
+        search_fn: SearchFn = search,
+    ) -> None:
         self.config = config  # the experiment the model came from, when loaded from a checkpoint
         self.model = model
         self.tokenizer = tokenizer

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY, single_thread_env, tiny_overrides
 
 from seq2seq.checkpoint import load_checkpoint, save_checkpoint
 from seq2seq.cli import main
@@ -22,8 +23,6 @@ from seq2seq.data import pad
 from seq2seq.model import build_model
 from seq2seq.tokenizer import BOS, EOS, PAD
 from seq2seq.translate import Translator
-
-from conftest import TINY, single_thread_env, tiny_overrides
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SOURCES = ["red cat dog", "", "blue sun moon tree", "fish bird"]
@@ -129,8 +128,18 @@ def test_translate_files(trained_run: Path, tmp_path: Path) -> None:
 def test_translate_jsonl_nbest(trained_run: Path, tmp_path: Path) -> None:
     source, output = tmp_path / "in.txt", tmp_path / "out.jsonl"
     source.write_text("red cat dog\n", encoding="utf-8")
-    argv = ["translate", "-c", str(trained_run / "checkpoint_best.pt"), "-i", str(source), "-o", str(output),
-            "--format", "jsonl", "decode.nbest=2"]  # fmt: skip
+    argv = [
+        "translate",
+        "-c",
+        str(trained_run / "checkpoint_best.pt"),
+        "-i",
+        str(source),
+        "-o",
+        str(output),
+        "--format",
+        "jsonl",
+        "decode.nbest=2",
+    ]
     assert main(argv) == 0
     record = json.loads(output.read_text(encoding="utf-8"))
     assert record["source"] == "red cat dog" and record["translation"] == "dog cat red"
@@ -142,8 +151,12 @@ def test_translate_jsonl_nbest(trained_run: Path, tmp_path: Path) -> None:
 def test_translate_stdin_to_stdout(trained_run: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "seq2seq", "translate", "-c", str(trained_run / "checkpoint_best.pt")],
-        input="\n".join(SOURCES) + "\n", capture_output=True, text=True, timeout=300, env=single_thread_env(),
-    )  # fmt: skip
+        input="\n".join(SOURCES) + "\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=single_thread_env(),
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == [reverse(s) for s in SOURCES]
     assert "Traceback" not in proc.stderr

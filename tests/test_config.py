@@ -208,8 +208,12 @@ def test_cli_bad_config_exits_2_with_one_line_and_no_traceback(tmp_path: Path) -
     path = write(tmp_path, "model:\n  d_modle: 64\n")
     proc = subprocess.run(
         [sys.executable, "-m", "seq2seq", "train", "--config", str(path)],
-        capture_output=True, text=True, cwd=tmp_path, timeout=120, env=single_thread_env(),
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+        env=single_thread_env(),
+    )
     assert proc.returncode == 2
     lines = proc.stderr.splitlines()
     assert len(lines) == 1, proc.stderr

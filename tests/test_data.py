@@ -206,7 +206,9 @@ def test_tokenizer_round_trip_and_special_ids(shared_tokenizer: Tokenizer) -> No
 
 
 @pytest.mark.parametrize("model_type, alpha, nbest", [("unigram", 0.2, -1), ("unigram", 0.1, 8), ("bpe", 0.3, -1)])
-def test_sampled_segmentations_spell_the_same_text_and_follow_the_seed(model_type: str, alpha: float, nbest: int) -> None:
+def test_sampled_segmentations_spell_the_same_text_and_follow_the_seed(
+    model_type: str, alpha: float, nbest: int
+) -> None:
     src, tgt = reversal_pairs(300, seed=5)
     tok = train_tokenizer(src, tgt, vocab_size=40, shared=True, model_type=model_type)
     lines = src[:50]

@@ -9,22 +9,39 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ROOT, TINY, tiny_overrides, write_corpus
+
 from seq2seq.checkpoint import LAST, read_checkpoint
 from seq2seq.config import load_config
 from seq2seq.training.trainer import train
 
 # Dropout on: rank r draws the masks of micro-batch r, exactly as the single process does.
-COMMON = ("model.dropout=0.2", "train.max_steps=4", "train.valid_bleu=false", "train.max_tokens=256",
-          "train.log_every=1", "train.threads=1")  # fmt: skip
+COMMON = (
+    "model.dropout=0.2",
+    "train.max_steps=4",
+    "train.valid_bleu=false",
+    "train.max_tokens=256",
+    "train.log_every=1",
+    "train.threads=1",
+)
 
 
 def test_two_gloo_processes_match_one_process_with_the_doubled_batch(tmp_path: Path) -> None:
     corpus = write_corpus(tmp_path / "corpus", n_train=600)
     ddp_run, single_run = tmp_path / "ddp", tmp_path / "single"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "seq2seq",
-               "train", "--config", str(TINY), *tiny_overrides(corpus, ddp_run, *COMMON, "train.update_freq=1")]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "seq2seq",
+        "train",
+        "--config",
+        str(TINY),
+        *tiny_overrides(corpus, ddp_run, *COMMON, "train.update_freq=1"),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -42,6 +59,9 @@ def test_two_gloo_processes_match_one_process_with_the_doubled_batch(tmp_path: P
     log = (ddp_run / "train.log").read_text()
     assert log.count("model: ") == 1 and "2 process(es)" in log  # rank 0 alone writes the log
     assert log.count("step 4: loss") == 1
-    assert sorted(p.name for p in ddp_run.glob("checkpoint*.pt")) == ["checkpoint_best.pt", "checkpoint_last.pt",
-                                                                      "checkpoint_step4.pt"]  # fmt: skip
+    assert sorted(p.name for p in ddp_run.glob("checkpoint*.pt")) == [
+        "checkpoint_best.pt",
+        "checkpoint_last.pt",
+        "checkpoint_step4.pt",
+    ]
     assert ddp["train_state"]["progress"]["best"] == pytest.approx(single.best, rel=1e-5)

@@ -40,7 +40,9 @@ def test_symmetric_kl_and_its_gradient_are_both_kl_directions(vocab: int) -> Non
     grads = p.grad.clone(), q.grad.clone()
     p.grad = q.grad = None
     logp, logq = p.log_softmax(-1), q.log_softmax(-1)
-    both = F.kl_div(logq, logp, log_target=True, reduction="sum") + F.kl_div(logp, logq, log_target=True, reduction="sum")
+    both = F.kl_div(logq, logp, log_target=True, reduction="sum") + F.kl_div(
+        logp, logq, log_target=True, reduction="sum"
+    )
     (3 * both).backward()
     torch.testing.assert_close(ours, both)
     torch.testing.assert_close(grads[0], p.grad)

@@ -27,10 +27,13 @@ VARIANTS = {
     "post": {"norm": "post"},
     "learned": {"positions": "learned"},
     "post-learned-gelu-untied": {
-        "norm": "post", "positions": "learned", "activation": "gelu",
-        "share_all_embeddings": False, "share_decoder_embeddings": False,
+        "norm": "post",
+        "positions": "learned",
+        "activation": "gelu",
+        "share_all_embeddings": False,
+        "share_decoder_embeddings": False,
     },
-}  # fmt: skip
+}
 # PyTorch's two CPU attention kernels: flash (its own choice without attention dropout) and math (CPU training's)
 KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}
 
@@ -38,9 +41,17 @@ KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}
 def tiny_model(seed: int = 0, **overrides: Any) -> Seq2SeqTransformer:
     torch.manual_seed(seed)
     cfg = ModelConfig(
-        **{"d_model": 16, "n_heads": 2, "d_ff": 32, "encoder_layers": 2, "decoder_layers": 2,
-           "dropout": 0.0, "max_positions": 32, **overrides}
-    )  # fmt: skip
+        **{
+            "d_model": 16,
+            "n_heads": 2,
+            "d_ff": 32,
+            "encoder_layers": 2,
+            "decoder_layers": 2,
+            "dropout": 0.0,
+            "max_positions": 32,
+            **overrides,
+        }
+    )
     return build_model(cfg, VOCAB, VOCAB).eval()
 
 
@@ -92,7 +103,9 @@ def test_source_padding_does_not_change_real_positions(variant: str) -> None:
 
     torch.testing.assert_close(model(padded_src, padded_mask, tgt), model(src, mask, tgt), **CLOSE)
     real = ~mask
-    torch.testing.assert_close(model.encode(padded_src, padded_mask)[:, :7][real], model.encode(src, mask)[real], **CLOSE)
+    torch.testing.assert_close(
+        model.encode(padded_src, padded_mask)[:, :7][real], model.encode(src, mask)[real], **CLOSE
+    )
 
 
 @torch.no_grad()
@@ -238,8 +251,7 @@ def test_share_all_embeddings_needs_one_vocabulary() -> None:
 
 
 def test_separate_vocabularies_have_their_own_sizes() -> None:
-    cfg = ModelConfig(d_model=16, n_heads=2, d_ff=32, encoder_layers=1, decoder_layers=1,
-                      share_all_embeddings=False)  # fmt: skip
+    cfg = ModelConfig(d_model=16, n_heads=2, d_ff=32, encoder_layers=1, decoder_layers=1, share_all_embeddings=False)
     model = build_model(cfg, 30, 20).eval()
     src, mask = source_batch()
     assert model(src, mask, target_batch() % 20).shape[-1] == 20

@@ -15,14 +15,25 @@ RECIPE = ROOT / "scripts" / "run_recipe.py"
 
 
 def run_recipe(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(RECIPE), *args], cwd=ROOT, env=single_thread_env(),
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, str(RECIPE), *args],
+        cwd=ROOT,
+        env=single_thread_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_recipe_trains_averages_picks_on_val_and_rescores(corpus: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    args = [str(TINY), *tiny_overrides(corpus, run_dir, "train.max_epochs=4", "train.threads=1"),
-            "--average", "2,3", "--no-download"]  # fmt: skip
+    args = [
+        str(TINY),
+        *tiny_overrides(corpus, run_dir, "train.max_epochs=4", "train.threads=1"),
+        "--average",
+        "2,3",
+        "--no-download",
+    ]
     done = run_recipe(*args)
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads((run_dir / "results.json").read_text(encoding="utf-8"))

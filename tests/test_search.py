@@ -361,10 +361,10 @@ def test_no_repeat_ngram_in_search() -> None:
 
 @pytest.fixture(scope="module")
 def tiny(trained_run: Path) -> tuple[torch.nn.Module, Tensor, Tensor]:
+    from conftest import reversal_pairs
+
     from seq2seq.checkpoint import load_checkpoint
     from seq2seq.data import pad
-
-    from conftest import reversal_pairs
 
     loaded = load_checkpoint(trained_run / "checkpoint_best.pt")
     lines, _ = reversal_pairs(12, seed=42)

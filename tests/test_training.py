@@ -15,22 +15,27 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ROOT, TINY, tiny_overrides, write_corpus
+
 from seq2seq.checkpoint import LAST, read_checkpoint
 from seq2seq.cli import main
 from seq2seq.config import ExperimentConfig, load_config
 from seq2seq.data import collate
-from seq2seq.training import trainer as trainer_module
-from seq2seq.training.optim import lr_at
 from seq2seq.training import device as device_module
+from seq2seq.training import trainer as trainer_module
 from seq2seq.training.device import resolve_precision
+from seq2seq.training.optim import lr_at
 from seq2seq.training.trainer import Trainer, TrainingError, train
 
 # Small batches of a small corpus: 14 batches an epoch, a few milliseconds an update. One thread: on a
 # busy machine, two OpenMP threads per process can make these tiny steps 20x slower.
-FAST = ("train.valid_bleu=false", "train.max_tokens=256", "train.max_epochs=1000", "train.log_every=1",
-        "train.threads=1")
+FAST = (
+    "train.valid_bleu=false",
+    "train.max_tokens=256",
+    "train.max_epochs=1000",
+    "train.log_every=1",
+    "train.threads=1",
+)
 
 
 @pytest.fixture(scope="module")
@@ -167,16 +172,25 @@ def test_rdrop_reaches_the_training_step_and_trains(small: Path, tmp_path: Path)
 
 @pytest.mark.parametrize(
     "update_freq, stop, end, extra",
-    [(1, 5, 20, ()), (2, 3, 10, ()), (1, 5, 40, ("data.sampling_alpha=0.2", "data.sampling_nbest=-1")),
-     (2, 3, 10, ("train.rdrop_alpha=2",))],  # fmt: skip
+    [
+        (1, 5, 20, ()),
+        (2, 3, 10, ()),
+        (1, 5, 40, ("data.sampling_alpha=0.2", "data.sampling_nbest=-1")),
+        (2, 3, 10, ("train.rdrop_alpha=2",)),
+    ],
 )
 def test_resume_reaches_the_same_weights_as_an_uninterrupted_run(
     small: Path, tmp_path: Path, update_freq: int, stop: int, end: int, extra: tuple[str, ...]
 ) -> None:
     """Dropout on (so the RNG matters), stopped mid-epoch (so the data position matters), across an epoch end;
     with subword sampling, the resumed epoch must be segmented as before; with R-Drop, both passes masked as before."""
-    settings = ("model.dropout=0.2", "model.attention_dropout=0.1", f"train.update_freq={update_freq}",
-                "train.warmup_steps=4", *extra)  # fmt: skip
+    settings = (
+        "model.dropout=0.2",
+        "model.attention_dropout=0.1",
+        f"train.update_freq={update_freq}",
+        "train.warmup_steps=4",
+        *extra,
+    )
     whole = train(config(small, tmp_path / "whole", *settings, f"train.max_steps={end}"))
     part = train(config(small, tmp_path / "part", *settings, f"train.max_steps={stop}"))
     assert part.step == stop and part.epoch == 1 and part.batch_in_epoch == stop * update_freq
@@ -228,8 +242,15 @@ def test_resume_refuses_a_different_model(small: Path, tmp_path: Path) -> None:
 
 def _start(corpus: Path, run_dir: Path, *extra: str) -> tuple[subprocess.Popen[bytes], Path]:
     stderr = run_dir.parent / f"{run_dir.name}.stderr"
-    args = [sys.executable, "-m", "seq2seq", "train", "--config", str(TINY),
-            *tiny_overrides(corpus, run_dir, *FAST, *extra)]  # fmt: skip
+    args = [
+        sys.executable,
+        "-m",
+        "seq2seq",
+        "train",
+        "--config",
+        str(TINY),
+        *tiny_overrides(corpus, run_dir, *FAST, *extra),
+    ]
     with open(stderr, "wb") as err:
         proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
     return proc, stderr
@@ -272,15 +293,20 @@ def test_kill_9_leaves_only_complete_checkpoints_and_the_run_resumes(small: Path
     _wait_for(_logged_step(run, 9), proc)
     proc.send_signal(signal.SIGKILL)  # saving is continuous here, so this often lands mid-write
     proc.wait(timeout=60)
-    expected = re.compile(r"checkpoint_(last|best|step\d+)\.pt|config\.yaml|spm\.model|train\.log|tb|\.checkpoint.*\.tmp")
+    expected = re.compile(
+        r"checkpoint_(last|best|step\d+)\.pt|config\.yaml|spm\.model|train\.log|tb|\.checkpoint.*\.tmp"
+    )
     assert all(expected.fullmatch(name) for name in os.listdir(run)), os.listdir(run)
     for path in run.glob("checkpoint*.pt"):
         read_checkpoint(path)  # complete and loadable
     saved = progress(run)["step"]
     assert saved >= 8
     (run / ".checkpoint_last.pt.x1y2.tmp").write_bytes(b"half a checkpoint")
-    state = train(config(small, run, "train.save_every=1", "train.valid_every=4", "train.keep_last=2",
-                         f"train.max_steps={saved + 2}"))  # fmt: skip
+    state = train(
+        config(
+            small, run, "train.save_every=1", "train.valid_every=4", "train.keep_last=2", f"train.max_steps={saved + 2}"
+        )
+    )
     assert state.step == saved + 2
     assert not list(run.glob(".*.tmp"))
     assert len(list(run.glob("checkpoint_step*.pt"))) == 2  # train.keep_last
@@ -311,7 +337,9 @@ def test_a_nan_loss_skips_the_update_with_a_warning(
     assert all(torch.isfinite(t).all() for t in weights(tmp_path / "run").values())
 
 
-def test_persistent_nan_stops_with_a_clear_message(small: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_persistent_nan_stops_with_a_clear_message(
+    small: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _nan_loss(monkeypatch, lambda call: call > 2)
     with pytest.raises(TrainingError, match=r"training diverged: 3 updates in a row .* \(at step 3\); lower train.lr"):
         train(config(small, tmp_path / "run", "train.max_bad_steps=3", "train.max_steps=50"))
@@ -343,8 +371,18 @@ def test_best_checkpoint_by_metric_and_early_stopping(
 
     monkeypatch.setattr(Trainer, "validate", validate)
     run = tmp_path / "run"
-    state = train(config(small, run, f"train.best_metric={metric}", "train.patience=2", "train.valid_every=1",
-                         "train.keep_last=3", "train.average_last=2", "train.max_steps=20"))  # fmt: skip
+    state = train(
+        config(
+            small,
+            run,
+            f"train.best_metric={metric}",
+            "train.patience=2",
+            "train.valid_every=1",
+            "train.keep_last=3",
+            "train.average_last=2",
+            "train.max_steps=20",
+        )
+    )
     assert state.step == 4, "two validations without improvement after the best (step 2) stop the run"
     assert (state.best, state.best_metric, state.bad_validations) == (scores[1], metric, 2)
     best, step2 = weights(run, "checkpoint_best.pt"), weights(run, "checkpoint_step2.pt")
@@ -363,13 +401,19 @@ def test_tensorboard_scalars_examples_and_log_file(small: Path, tmp_path: Path) 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run = tmp_path / "run"
-    train(config(small, run, "train.valid_bleu=true", "train.valid_every=3", "train.max_steps=6",
-                 "decode.max_len=12"))  # fmt: skip
+    train(config(small, run, "train.valid_bleu=true", "train.valid_every=3", "train.max_steps=6", "decode.max_len=12"))
     events = EventAccumulator(str(run / "tb"), size_guidance={"scalars": 0, "tensors": 0})
     events.Reload()
     scalars = set(events.Tags()["scalars"])
-    for tag in ("train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "valid/loss", "valid/ppl",
-                "valid/bleu"):  # fmt: skip
+    for tag in (
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "train/tokens_per_s",
+        "valid/loss",
+        "valid/ppl",
+        "valid/bleu",
+    ):
         assert tag in scalars, tag
     assert [e.step for e in events.Scalars("valid/bleu")] == [3, 6]
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]

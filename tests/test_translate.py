@@ -88,8 +88,21 @@ def test_long_input_is_truncated_with_a_warning(translator: Translator, caplog: 
 
 def test_cli_jsonl_has_nbest_scores_and_token_logprobs(checkpoint: Path, tmp_path: Path) -> None:
     (tmp_path / "in.txt").write_text("red cat dog\n\nsun moon\n", encoding="utf-8")
-    code = main(["translate", "-c", str(checkpoint), "-i", str(tmp_path / "in.txt"), "-o", str(tmp_path / "out.jsonl"),
-                 "--format", "jsonl", "decode.beam_size=3", "decode.nbest=3"])  # fmt: skip
+    code = main(
+        [
+            "translate",
+            "-c",
+            str(checkpoint),
+            "-i",
+            str(tmp_path / "in.txt"),
+            "-o",
+            str(tmp_path / "out.jsonl"),
+            "--format",
+            "jsonl",
+            "decode.beam_size=3",
+            "decode.nbest=3",
+        ]
+    )
     assert code == 0
     records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text(encoding="utf-8").splitlines()]
     assert [r["source"] for r in records] == ["red cat dog", "", "sun moon"]
@@ -118,10 +131,23 @@ def test_interactive_translates_each_line_as_it_arrives(checkpoint: Path, tmp_pa
     env = {**single_thread_env(), "PYTHONPATH": str(ROOT)}
     with open(tmp_path / "stderr.txt", "w") as stderr:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "seq2seq", "translate", "-c", str(checkpoint), "--interactive",
-             "decode.strategy=greedy"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True, encoding="utf-8", env=env,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "seq2seq",
+                "translate",
+                "-c",
+                str(checkpoint),
+                "--interactive",
+                "decode.strategy=greedy",
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            encoding="utf-8",
+            env=env,
+        )
         assert proc.stdin is not None and proc.stdout is not None
         lines: queue.Queue[str] = queue.Queue()
         stdout = proc.stdout

@@ -48,9 +48,16 @@ class Residual(nn.Module):
 
 class EncoderLayer(nn.Module):
     def __init__(
-        self, d_model: int, n_heads: int, d_ff: int, dropout: float, attention_dropout: float,
-        activation_dropout: float, activation: str, norm_first: bool,
-    ) -> None:  # fmt: skip
+        self,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        dropout: float,
+        attention_dropout: float,
+        activation_dropout: float,
+        activation: str,
+        norm_first: bool,
+    ) -> None:
         super().__init__()
         self.self_attn = MultiHeadAttention(d_model, n_heads, attention_dropout)
         self.ffn = FeedForward(d_model, d_ff, activation_dropout, activation)
@@ -65,9 +72,16 @@ class EncoderLayer(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, d_model: int, n_heads: int, d_ff: int, dropout: float, attention_dropout: float,
-        activation_dropout: float, activation: str, norm_first: bool,
-    ) -> None:  # fmt: skip
+        self,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        dropout: float,
+        attention_dropout: float,
+        activation_dropout: float,
+        activation: str,
+        norm_first: bool,
+    ) -> None:
         super().__init__()
         self.self_attn = MultiHeadAttention(d_model, n_heads, attention_dropout)
         self.cross_attn = MultiHeadAttention(d_model, n_heads, attention_dropout)
@@ -93,6 +107,9 @@ class DecoderLayer(nn.Module):
 
         x = self.self_block(x, self_attention)
         x = self.cross_block(
-            x, lambda h: self.cross_attn.attend(self.cross_attn.project_query(h), cache.cross_k, cache.cross_v, memory_mask)
+            x,
+            lambda h: self.cross_attn.attend(
+                self.cross_attn.project_query(h), cache.cross_k, cache.cross_v, memory_mask
+            ),
         )
         return self.ffn_block(x, self.ffn)

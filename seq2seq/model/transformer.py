@@ -33,9 +33,7 @@ def sinusoidal_table(n_positions: int, d_model: int) -> Tensor:
 class Embedding(nn.Module):
     """Token embedding scaled by sqrt(D), plus a position encoding, then dropout."""
 
-    def __init__(
-        self, tokens: nn.Embedding, d_model: int, max_positions: int, learned: bool, dropout: float
-    ) -> None:
+    def __init__(self, tokens: nn.Embedding, d_model: int, max_positions: int, learned: bool, dropout: float) -> None:
         super().__init__()
         self.tokens = tokens
         self.scale = math.sqrt(d_model)
@@ -145,8 +143,16 @@ def build_model(cfg: ModelConfig, src_vocab_size: int, tgt_vocab_size: int) -> S
     tgt_tokens = _token_embedding(tgt_vocab_size, d)
     src_tokens = tgt_tokens if cfg.share_all_embeddings else _token_embedding(src_vocab_size, d)
     learned = cfg.positions == "learned"
-    layer_args = (d, cfg.n_heads, cfg.d_ff, cfg.dropout, cfg.attention_dropout, cfg.activation_dropout,
-                  cfg.activation, cfg.norm == "pre")  # fmt: skip
+    layer_args = (
+        d,
+        cfg.n_heads,
+        cfg.d_ff,
+        cfg.dropout,
+        cfg.attention_dropout,
+        cfg.activation_dropout,
+        cfg.activation,
+        cfg.norm == "pre",
+    )
     encoder_layers = [EncoderLayer(*layer_args) for _ in range(cfg.encoder_layers)]
     decoder_layers = [DecoderLayer(*layer_args) for _ in range(cfg.decoder_layers)]
     for module in [*encoder_layers, *decoder_layers]:

@@ -43,13 +43,26 @@ class Meter:
         """Write the averages to TensorBoard and the log file; return a short progress-bar text."""
         seconds = max(time.monotonic() - self.start, 1e-9)
         loss, nll = self.loss / max(self.tokens, 1), self.nll / max(self.tokens, 1)
-        values = {"loss": loss, "nll": nll, "ppl": math.exp(min(nll, 50)), "lr": self.lr,
-                  "grad_norm": self.grad_norm / max(self.updates, 1), "tokens_per_s": self.timed_tokens / seconds}  # fmt: skip
+        values = {
+            "loss": loss,
+            "nll": nll,
+            "ppl": math.exp(min(nll, 50)),
+            "lr": self.lr,
+            "grad_norm": self.grad_norm / max(self.updates, 1),
+            "tokens_per_s": self.timed_tokens / seconds,
+        }
         if writer is not None:
             for name, value in values.items():
                 writer.add_scalar(f"train/{name}", value, step)
-        log.debug("step %d: loss %.3f, nll %.3f, lr %.2e, grad norm %.2f, %.0f tokens/s", step, loss, nll, self.lr,
-                  values["grad_norm"], values["tokens_per_s"])  # fmt: skip
+        log.debug(
+            "step %d: loss %.3f, nll %.3f, lr %.2e, grad norm %.2f, %.0f tokens/s",
+            step,
+            loss,
+            nll,
+            self.lr,
+            values["grad_norm"],
+            values["tokens_per_s"],
+        )
         self.reset()
         return f"loss={loss:.3f}, lr={values['lr']:.2e}, tok/s={values['tokens_per_s']:.0f}"
 
@@ -58,8 +71,9 @@ def progress(total: int, initial: int, desc: str, enabled: bool) -> Any:
     """A tqdm bar with ETA (disabled on ranks other than 0)."""
     from tqdm import tqdm
 
-    return tqdm(total=total, initial=initial, desc=desc, unit="upd", disable=not enabled, dynamic_ncols=True,
-                leave=False)  # fmt: skip
+    return tqdm(
+        total=total, initial=initial, desc=desc, unit="upd", disable=not enabled, dynamic_ncols=True, leave=False
+    )
 
 
 def tensorboard(directory: Path, resume_step: int) -> Any:

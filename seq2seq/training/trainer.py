@@ -28,9 +28,17 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from seq2seq.checkpoint import (BEST, LAST, average_checkpoints, prune_step_checkpoints, read_checkpoint,
-                                remove_stale_temporaries, save_checkpoint, step_checkpoint_path,
-                                step_checkpoints)  # fmt: skip
+from seq2seq.checkpoint import (
+    BEST,
+    LAST,
+    average_checkpoints,
+    prune_step_checkpoints,
+    read_checkpoint,
+    remove_stale_temporaries,
+    save_checkpoint,
+    step_checkpoint_path,
+    step_checkpoints,
+)
 from seq2seq.config import ExperimentConfig, save_config, to_dict
 from seq2seq.data import Batch, EncodedCorpus, collate, encode_corpus, make_batches, read_parallel
 from seq2seq.model import Seq2SeqTransformer, build_model, kernel_scope, training_kernel
@@ -86,8 +94,13 @@ class Trainer:
             self.close()  # a failed start must not leave the log file attached or the process group up
             raise
         n_params = sum(p.numel() for p in self.model.parameters())
-        log.info("model: %.2fM parameters; device %s, %s, %d process(es)", n_params / 1e6, self.device,
-                 self.precision, dist.world_size())  # fmt: skip
+        log.info(
+            "model: %.2fM parameters; device %s, %s, %d process(es)",
+            n_params / 1e6,
+            self.device,
+            self.precision,
+            dist.world_size(),
+        )
 
     def _load(self, tokenizer: Tokenizer | None) -> None:
         """Tokenizer, data, model and optimizer, then the checkpoint's state if there is one."""
@@ -144,8 +157,12 @@ class Trainer:
         if self.main:
             d = self.cfg.data
             src, tgt = read_parallel(d.dir, d.train, d.src_lang, d.tgt_lang)
-            log.info("training a %s SentencePiece vocabulary of %d (%s)", d.spm_model_type, d.vocab_size,
-                     "shared" if d.shared_vocab else "per language")  # fmt: skip
+            log.info(
+                "training a %s SentencePiece vocabulary of %d (%s)",
+                d.spm_model_type,
+                d.vocab_size,
+                "shared" if d.shared_vocab else "per language",
+            )
             proto[0] = train_tokenizer(src, tgt, d.vocab_size, d.shared_vocab, d.spm_model_type).state()
         if dist.world_size() > 1:
             torch.distributed.broadcast_object_list(proto, src=0)
@@ -183,16 +200,23 @@ class Trainer:
         try:
             self.model.load_state_dict(data["model"])
         except RuntimeError as e:
-            raise TrainingError(f"cannot resume {self.run_dir}: the config's model does not match its checkpoint "
-                                f"({str(e).splitlines()[0]})") from None  # fmt: skip
+            raise TrainingError(
+                f"cannot resume {self.run_dir}: the config's model does not match its checkpoint "
+                f"({str(e).splitlines()[0]})"
+            ) from None
         self.optimizer.load_state_dict(state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
         known = {f.name for f in dataclasses.fields(TrainState)}
         self.state = TrainState(**{k: v for k, v in state["progress"].items() if k in known})
         for change in _changes(data["config"], to_dict(self.cfg)):
             log.info("config changed since the checkpoint: %s", change)
-        log.info("resuming %s at step %d (epoch %d, batch %d)", self.run_dir, self.state.step, self.state.epoch,
-                 self.state.batch_in_epoch)  # fmt: skip
+        log.info(
+            "resuming %s at step %d (epoch %d, batch %d)",
+            self.run_dir,
+            self.state.step,
+            self.state.epoch,
+            self.state.batch_in_epoch,
+        )
 
     # The loop.
 
@@ -312,8 +336,14 @@ class Trainer:
     def train_step(self, batches: list[Batch]) -> dict[str, float] | None:
         """One optimizer update over `batches` (update_freq of them); None if it was skipped as non-finite."""
         step = self.state.step + 1
-        lr = lr_at(step, self.cfg.train.schedule, self.cfg.train.lr, self.cfg.train.warmup_steps,
-                   self._total_steps(), self.cfg.model.d_model)  # fmt: skip
+        lr = lr_at(
+            step,
+            self.cfg.train.schedule,
+            self.cfg.train.lr,
+            self.cfg.train.warmup_steps,
+            self._total_steps(),
+            self.cfg.model.d_model,
+        )
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         loss, nll, tokens = self.accumulate(batches, step)
@@ -364,7 +394,9 @@ class Trainer:
     def _skipped(self, step: int, loss: float) -> None:
         """Warn about a skipped update; give up when they keep coming."""
         self._bad_steps += 1
-        what = "gradient overflow (fp16 loss scale lowered)" if self.precision == "fp16" else f"non-finite loss ({loss})"
+        what = (
+            "gradient overflow (fp16 loss scale lowered)" if self.precision == "fp16" else f"non-finite loss ({loss})"
+        )
         log.warning("update %d skipped: %s or gradients, %d in a row", step, what, self._bad_steps)
         if self._bad_steps >= self.cfg.train.max_bad_steps:
             raise TrainingError(
@@ -405,15 +437,22 @@ class Trainer:
             s.best, s.bad_validations = value, 0
         else:
             s.bad_validations += 1
-        log.info("step %d: valid %s (best %s %.3f%s)", s.step, ", ".join(f"{k} {v:.3f}" for k, v in scores.items()),
-                 key, s.best, f", {s.bad_validations} without improvement" if s.bad_validations else "")  # fmt: skip
+        log.info(
+            "step %d: valid %s (best %s %.3f%s)",
+            s.step,
+            ", ".join(f"{k} {v:.3f}" for k, v in scores.items()),
+            key,
+            s.best,
+            f", {s.bad_validations} without improvement" if s.bad_validations else "",
+        )
         return improved
 
     def validate(self) -> dict[str, float]:
         """Validation loss, perplexity and (if train.valid_bleu) BLEU; written to TensorBoard."""
         t, step = self.cfg.train, self.state.step
-        scores = validation.loss_scores(self.model, self.valid_data, t.max_tokens, t.label_smoothing, self.precision,
-                                        self.device)  # fmt: skip
+        scores = validation.loss_scores(
+            self.model, self.valid_data, t.max_tokens, t.label_smoothing, self.precision, self.device
+        )
         if t.valid_bleu:
             sources, references = self.valid_text
             hypotheses = validation.translations(self.model, self.tokenizer, self.cfg.decode, sources, self.device)
@@ -437,8 +476,11 @@ class Trainer:
             prune_step_checkpoints(self.run_dir, self.cfg.train.keep_last)
         progress = dataclasses.asdict(self.state)
         progress["elapsed"] = self._elapsed()
-        train_state = {"progress": progress, "optimizer": self.optimizer.state_dict(),
-                       "scaler": self.scaler.state_dict()}  # fmt: skip
+        train_state = {
+            "progress": progress,
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+        }
         save_checkpoint(self.run_dir / LAST, self.model, self.tokenizer, self.cfg, train_state)
 
     def _average(self) -> None:

@@ -24,9 +24,13 @@ from seq2seq.translate import Translator
 
 @torch.no_grad()
 def loss_scores(
-    model: Seq2SeqTransformer, data: EncodedCorpus, max_tokens: int, epsilon: float, precision: str,
+    model: Seq2SeqTransformer,
+    data: EncodedCorpus,
+    max_tokens: int,
+    epsilon: float,
+    precision: str,
     device: torch.device,
-) -> dict[str, float]:  # fmt: skip
+) -> dict[str, float]:
     """Per-token smoothed loss, NLL and perplexity over a corpus."""
     was_training = model.training
     model.eval()
