@@ -1,8 +1,9 @@
 """Training throughput on real Multi30k batches: two settings side by side, in one process.
 
 Measures target tokens per second of whole training updates (forward,
-backward, clipping, Adam step) through `Trainer.train_step`, the code path
-`seq2seq train` runs. `--compare precision` (the default) sets fp32 against
+backward, clipping, Adam step) through the trainer's `UpdateStep`, the code
+path `seq2seq train` runs, with the setting under test replaced in it.
+`--compare precision` (the default) sets fp32 against
 bf16 autocast; `--compare attention` sets PyTorch's two CPU attention kernels
 against each other in bf16: flash, which `scaled_dot_product_attention`
 picks by itself when attention dropout is 0, and math (matmul, softmax,
@@ -36,11 +37,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import logging
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -53,6 +56,7 @@ from seq2seq.config import ExperimentConfig, load_config  # noqa: E402
 from seq2seq.data import Batch, collate, read_parallel  # noqa: E402
 from seq2seq.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
 from seq2seq.training.trainer import Trainer  # noqa: E402
+from seq2seq.training.update import UpdateStep  # noqa: E402
 
 MODELS = {
     "quickstart": [],
@@ -149,18 +153,21 @@ def _bench(trainer: Trainer, name: str, args: argparse.Namespace) -> None:
     """Interleave the two settings round by round on the same batches; print per-round rates and medians."""
     settings = SETTINGS[args.compare]
     first, second = settings
-    batches = [collate(trainer.epoch_data(1), b) for b in trainer.epoch_batches(1)[: args.steps * args.rounds]]
+    corpus = trainer.epochs.corpus(1)
+    batches = [collate(corpus, b) for b in trainer.epochs.batches(1)[: args.steps * args.rounds]]
     n_params = sum(p.numel() for p in trainer.model.parameters()) / 1e6
     mean_tokens = statistics.mean(b.n_tokens for b in batches)
     print(f"\n{name}: {n_params:.1f}M parameters, batches of {mean_tokens:.0f} target tokens on average")
+    updates = {s: _update_step(trainer, *settings[s]) for s in settings}
+    steps = itertools.count(1)
     for s in settings:  # warm-up: kernel selection, allocator
-        _rate(trainer, *settings[s], batches[:1])
+        _rate(updates[s], trainer, steps, batches[:1])
     rates: dict[str, list[float]] = {s: [] for s in settings}
     ratios = []
     for r in range(args.rounds):
         chunk = batches[r * args.steps : (r + 1) * args.steps]
         order = [first, second] if r % 2 == 0 else [second, first]
-        now = {s: _rate(trainer, *settings[s], chunk) for s in order}
+        now = {s: _rate(updates[s], trainer, steps, chunk) for s in order}
         for s in settings:
             rates[s].append(now[s])
         ratios.append(now[second] / now[first])
@@ -191,13 +198,17 @@ def _bench_matmul(rounds: int) -> None:
     print(f"matmul 4096x512 @ 512x2048: fp32 {fp32:.0f} GFLOP/s, bf16 {bf16:.0f} GFLOP/s ({bf16 / fp32:.2f}x)")
 
 
-def _rate(trainer: Trainer, precision: str, kernel: SDPBackend | None, rdrop: float, batches: list[Batch]) -> float:
+def _update_step(trainer: Trainer, precision: str, kernel: SDPBackend | None, rdrop: float) -> UpdateStep:
+    """The trainer's update (same model and optimizer) with one setting changed."""
+    return dataclasses.replace(trainer.update, precision=precision, attention_kernel=kernel, rdrop_alpha=rdrop)
+
+
+def _rate(update: UpdateStep, trainer: Trainer, steps: Iterator[int], batches: list[Batch]) -> float:
     """Target tokens per second of full training updates, one batch per update."""
-    trainer.precision, trainer.attention_kernel = precision, kernel
-    trainer.cfg = dataclasses.replace(trainer.cfg, train=dataclasses.replace(trainer.cfg.train, rdrop_alpha=rdrop))
     start = time.perf_counter()
     for batch in batches:
-        trainer.train_step([batch])
+        step = next(steps)
+        update([batch], step, trainer.lr(step))
     return sum(b.n_tokens for b in batches) / (time.perf_counter() - start)
 
 

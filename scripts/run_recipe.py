@@ -35,13 +35,12 @@ from pathlib import Path
 
 import torch
 
-from seq2seq import metrics
-from seq2seq.checkpoint import average_checkpoints, load_checkpoint, read_checkpoint, step_checkpoints
+from seq2seq import checkpoint, metrics
 from seq2seq.config import ExperimentConfig, load_config
 from seq2seq.data import find_file, read_lines
+from seq2seq.run_dir import RunDirectory
 from seq2seq.translate import Translator
 
-LAST = "checkpoint_last.pt"
 BOOTSTRAP = 1000  # resampled test sets for the 95% intervals of the test BLEU scores
 
 
@@ -53,15 +52,15 @@ def seq2seq(*args: str) -> None:
         sys.exit(code)
 
 
-def averages(run_dir: Path, sizes: list[int]) -> list[Path]:
-    """checkpoint_avg{k}.pt from the last k epoch checkpoints, for each k (fewer if fewer exist)."""
-    paths = step_checkpoints(run_dir)
-    if len(paths) < 2:
+def averages(run: RunDirectory, sizes: list[int]) -> list[Path]:
+    """checkpoint_avg{k}.pt from the run's last k epoch checkpoints, for each k (fewer if fewer exist)."""
+    available = len(run.step_checkpoints(run.current_run_id()))
+    if available < 2:
         return []
     out = []
-    for k in sorted({min(k, len(paths)) for k in sizes}):
-        out.append(run_dir / f"checkpoint_avg{k}.pt")
-        average_checkpoints(paths[-k:], out[-1])
+    for k in sorted({min(k, available) for k in sizes}):
+        out.append(run.path / f"checkpoint_avg{k}.pt")
+        run.average_last(k, out[-1])
     return out
 
 
@@ -152,7 +151,7 @@ def main() -> None:
     args = parser.parse_args()
     start = time.monotonic()
     cfg = load_config(args.config, args.overrides)
-    d, run_dir = cfg.data, Path(cfg.train.run_dir)
+    d, run = cfg.data, RunDirectory(cfg.train.run_dir)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     if not args.no_download:
@@ -160,22 +159,24 @@ def main() -> None:
     seq2seq("train", "--config", args.config, *args.overrides)
 
     sizes = args.average if args.average is not None else [cfg.train.average_last] * (cfg.train.average_last > 0)
-    candidates = [run_dir / "checkpoint_best.pt", *averages(run_dir, sizes)]
+    candidates = [run.best, *averages(run, sizes)]
     val_refs = read_lines(find_file(d.dir, d.valid, d.tgt_lang))
     val = {c.stem: round(metrics.bleu(translate(c, cfg, d.valid), val_refs).score, 2) for c in candidates}
     picked = max(val, key=val.__getitem__)
-    test_hyps = translate(run_dir / f"{picked}.pt", cfg, d.test)
+    test_hyps = translate(run.path / f"{picked}.pt", cfg, d.test)
     test_src, test_refs = (read_lines(find_file(d.dir, d.test, lang)) for lang in (d.src_lang, d.tgt_lang))
 
-    progress = read_checkpoint(run_dir / LAST)["train_state"]["progress"]
+    last = checkpoint.read(run.last)
+    assert last.training is not None, "seq2seq train always saves its state in checkpoint_last"
+    progress = last.training.progress
     results = {
         "config": args.config,
         "overrides": args.overrides,
         "pair": f"{d.src_lang}-{d.tgt_lang}",
-        "params_millions": round(sum(p.numel() for p in load_checkpoint(run_dir / LAST).model.parameters()) / 1e6, 1),
-        "updates": progress["step"],
-        "epochs": progress["epoch"] - 1,  # completed; a time budget may stop training inside the next one
-        "train_minutes": round(progress["elapsed"] / 60, 1),
+        "params_millions": round(sum(p.numel() for p in last.build_model().parameters()) / 1e6, 1),
+        "updates": progress.step,
+        "epochs": progress.epoch - 1,  # completed; a time budget may stop training inside the next one
+        "train_minutes": round(progress.elapsed / 60, 1),
         "decode": dataclasses.asdict(cfg.decode),
         "val": val,
         "picked": picked,
@@ -183,8 +184,8 @@ def main() -> None:
         "examples": examples(test_src, test_refs, test_hyps),
         "this_invocation_minutes": round((time.monotonic() - start) / 60, 1),
     }
-    (run_dir / "results.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
-    (run_dir / "results.md").write_text(markdown(results), encoding="utf-8")
+    (run.path / "results.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
+    (run.path / "results.md").write_text(markdown(results), encoding="utf-8")
     print(markdown(results))
 
 

@@ -162,7 +162,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _translator(args: argparse.Namespace) -> Translator:
-    from seq2seq.training.trainer import resolve_device
+    from seq2seq.training.device import resolve_device
     from seq2seq.translate import Translator
 
     bad = [o for o in args.overrides if not o.startswith("decode.")]
@@ -289,7 +289,8 @@ def _test_set(cfg: ExperimentConfig, src: str | None, ref: str | None) -> tuple[
 
 
 def _average(args: argparse.Namespace) -> int:
-    from seq2seq.checkpoint import average_checkpoints, step_checkpoints
+    from seq2seq.checkpoint import average_checkpoints
+    from seq2seq.run_dir import RunDirectory
 
     if args.last < 1:
         raise ConfigError("average --last must be at least 1")
@@ -297,7 +298,7 @@ def _average(args: argparse.Namespace) -> int:
     if args.run_dir:
         if not Path(args.run_dir).is_dir():
             raise UserError(f"run directory not found: {args.run_dir}")
-        paths += step_checkpoints(args.run_dir)[-args.last :]
+        paths += RunDirectory(args.run_dir).latest(args.last)
     if not paths:
         raise UserError("nothing to average: give checkpoints, or --run-dir with checkpoint_step*.pt files")
     average_checkpoints(paths, args.output)

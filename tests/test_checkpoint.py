@@ -1,7 +1,9 @@
-"""Checkpoint files: atomic writes, clear errors, round trips, step-checkpoint bookkeeping and averaging."""
+"""Checkpoint files: the typed format, atomic writes, checksums, clear errors, run ids, averaging."""
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import pickle
 from pathlib import Path
 
@@ -9,21 +11,21 @@ import pytest
 import torch
 from conftest import TINY, reversal_pairs
 
+from seq2seq import checkpoint as ckpt
 from seq2seq.checkpoint import (
+    Checkpoint,
     CheckpointError,
+    Progress,
+    TrainingState,
     atomic_save,
     average_checkpoints,
     load_checkpoint,
-    prune_step_checkpoints,
-    read_checkpoint,
     remove_stale_temporaries,
-    save_checkpoint,
-    step_checkpoint_path,
-    step_checkpoints,
 )
 from seq2seq.cli import main
 from seq2seq.config import ExperimentConfig, load_config
 from seq2seq.model import Seq2SeqTransformer, build_model
+from seq2seq.run_dir import RunDirectory
 from seq2seq.tokenizer import Tokenizer, train_tokenizer
 from seq2seq.translate import Translator
 
@@ -44,15 +46,26 @@ def model_with_seed(cfg: ExperimentConfig, tokenizer: Tokenizer, seed: int) -> S
     return build_model(cfg.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
 
 
+def save_model(
+    path: Path, model: torch.nn.Module, tokenizer: Tokenizer, cfg: ExperimentConfig, run_id: str = "r1"
+) -> None:
+    ckpt.save(path, Checkpoint(cfg, tokenizer, model.state_dict(), run_id))
+
+
 def test_round_trip_gives_identical_logits(tmp_path: Path, cfg: ExperimentConfig, tokenizer: Tokenizer) -> None:
     model = model_with_seed(cfg, tokenizer, 0).eval()
-    save_checkpoint(tmp_path / "c.pt", model, tokenizer, cfg)
+    save_model(tmp_path / "c.pt", model, tokenizer, cfg)
     loaded = load_checkpoint(tmp_path / "c.pt")
     src = torch.tensor([[5, 6, 7, 2], [8, 9, 2, 0]])
     tgt = torch.tensor([[1, 5, 6], [1, 8, 9]])
     with torch.no_grad():
         assert torch.equal(model(src, src == 0, tgt), loaded.model(src, src == 0, tgt))
-    assert loaded.config == cfg and loaded.tokenizer.state() == tokenizer.state() and loaded.train_state is None
+    assert (
+        loaded.config == cfg
+        and loaded.tokenizer.state() == tokenizer.state()
+        and loaded.checkpoint.training is None
+        and loaded.checkpoint.run_id == "r1"
+    )
 
 
 def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path: Path) -> None:
@@ -74,37 +87,121 @@ def test_stale_temporaries_are_removed(tmp_path: Path) -> None:
 def test_damaged_or_foreign_files_give_one_line_errors(
     tmp_path: Path, cfg: ExperimentConfig, tokenizer: Tokenizer
 ) -> None:
-    save_checkpoint(tmp_path / "good.pt", model_with_seed(cfg, tokenizer, 0), tokenizer, cfg)
+    save_model(tmp_path / "good.pt", model_with_seed(cfg, tokenizer, 0), tokenizer, cfg)
     data = (tmp_path / "good.pt").read_bytes()
     (tmp_path / "truncated.pt").write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match="corrupt or truncated"):
-        read_checkpoint(tmp_path / "truncated.pt")
+        ckpt.read(tmp_path / "truncated.pt")
     torch.save({"weights": 1}, tmp_path / "foreign.pt")
     with pytest.raises(CheckpointError, match="not a seq2seq checkpoint"):
-        read_checkpoint(tmp_path / "foreign.pt")
+        ckpt.read(tmp_path / "foreign.pt")
     with pytest.raises(CheckpointError, match="checkpoint not found"):
-        read_checkpoint(tmp_path / "missing.pt")
+        ckpt.read(tmp_path / "missing.pt")
 
 
-def test_step_checkpoints_sort_by_number_and_prune_oldest(tmp_path: Path) -> None:
+def test_flipped_bytes_fail_the_checksum(tmp_path: Path, cfg: ExperimentConfig, tokenizer: Tokenizer) -> None:
+    model = model_with_seed(cfg, tokenizer, 0)
+    save_model(tmp_path / "good.pt", model, tokenizer, cfg)
+    data = bytearray((tmp_path / "good.pt").read_bytes())
+    # Flip four bytes inside the largest tensor's storage (found by its bytes), not in zip headers.
+    weight = next(iter(sorted(model.state_dict().values(), key=lambda t: -t.numel())))
+    start = bytes(data).index(weight.detach().reshape(-1)[:64].numpy().tobytes()) + 128
+    data[start : start + 4] = bytes(b ^ 0xFF for b in data[start : start + 4])
+    (tmp_path / "flipped.pt").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        ckpt.read(tmp_path / "flipped.pt")
+
+
+def test_python_objects_are_refused_as_unsafe(tmp_path: Path) -> None:
+    torch.save({"format": "seq2seq-checkpoint", "payload": Path("x")}, tmp_path / "objects.pt")
+    with pytest.raises(CheckpointError, match="refused as unsafe") as error:
+        ckpt.read(tmp_path / "objects.pt")
+    assert "weights_only=False" not in str(error.value)
+
+
+def test_typed_fields_are_checked(tmp_path: Path, cfg: ExperimentConfig, tokenizer: Tokenizer) -> None:
+    good = Checkpoint(cfg, tokenizer, model_with_seed(cfg, tokenizer, 0).state_dict(), "r1").to_dict()
+    for field, value, message in [
+        ("tokenizer", {"src": b"garbage", "tgt": None}, "SentencePiece model is unusable"),
+        ("tokenizer", None, "tokenizer must be dict"),
+        ("model", {"w": [1, 2]}, "model.w must be Tensor"),
+        ("run_id", 7, "run_id must be str"),
+        ("version", 99, "version 99 is not supported"),
+        ("train_state", {"progress": {"step": "3"}, "optimizer": {}, "scaler": {}}, "progress.step must be int"),
+    ]:
+        with pytest.raises(CheckpointError, match=message):
+            Checkpoint.from_dict({**good, field: value}, "crafted.pt")
+
+
+def test_training_state_round_trips(tmp_path: Path, cfg: ExperimentConfig, tokenizer: Tokenizer) -> None:
+    model = model_with_seed(cfg, tokenizer, 0)
+    optimizer = torch.optim.Adam(model.parameters())
+    progress = Progress(step=7, epoch=2, batch_in_epoch=3, best=1.5, best_metric="loss", elapsed=12.0)
+    state = TrainingState(progress, optimizer.state_dict(), {"scale": 1.0})
+    ckpt.save(tmp_path / "last.pt", Checkpoint(cfg, tokenizer, model.state_dict(), "r1", state))
+    loaded = ckpt.read(tmp_path / "last.pt")
+    assert loaded.training is not None and loaded.training.progress == progress
+    assert loaded.training.scaler == {"scale": 1.0} and loaded.run_id == "r1"
+
+
+def test_a_config_asking_for_a_huge_model_is_refused_before_allocating(
+    tmp_path: Path, cfg: ExperimentConfig, tokenizer: Tokenizer
+) -> None:
+    checkpoint = Checkpoint(cfg, tokenizer, model_with_seed(cfg, tokenizer, 0).state_dict(), "r1")
+    huge = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, d_model=32768, n_heads=8, d_ff=131072))
+    ckpt.save(tmp_path / "huge.pt", dataclasses.replace(checkpoint, config=huge))  # 4 GiB+ if it were built
+    with pytest.raises(CheckpointError, match="weights do not fit the stored config"):
+        load_checkpoint(tmp_path / "huge.pt")
+
+
+def test_a_full_disk_leaves_the_old_file_and_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "checkpoint_last.pt"
+    atomic_save({"format": "old"}, path)
+
+    def full(obj: object, f: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckpt.torch, "save", full)
+    with pytest.raises(CheckpointError, match="no space left on the device; the previous file, if any, is intact"):
+        atomic_save({"format": "new"}, path)
+    monkeypatch.undo()
+    assert torch.load(path, weights_only=False) == {"format": "old"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_last.pt"]
+
+
+def test_old_torch_is_refused() -> None:
+    with pytest.raises(CheckpointError, match=r"torch 2.5.1\+cpu cannot load checkpoints safely; install torch>=2.6"):
+        ckpt.check_torch_version("2.5.1+cpu")
+    ckpt.check_torch_version("2.6.0")
+    ckpt.check_torch_version("2.13.0+cpu")
+
+
+def test_step_checkpoints_sort_by_number_and_prune_only_this_runs(
+    tmp_path: Path, cfg: ExperimentConfig, tokenizer: Tokenizer
+) -> None:
+    run = RunDirectory(tmp_path)
+    model = model_with_seed(cfg, tokenizer, 0)
     for step in (9, 10, 100, 2):
-        step_checkpoint_path(tmp_path, step).write_bytes(b"x")
+        save_model(run.step(step), model, tokenizer, cfg, run_id="mine")
+    save_model(run.step(50), model, tokenizer, cfg, run_id="other")
     (tmp_path / "checkpoint_stepfoo.pt").write_bytes(b"x")
-    assert [p.name for p in step_checkpoints(tmp_path)] == [f"checkpoint_step{n}.pt" for n in (2, 9, 10, 100)]
-    prune_step_checkpoints(tmp_path, 2)
-    assert [p.name for p in step_checkpoints(tmp_path)] == ["checkpoint_step10.pt", "checkpoint_step100.pt"]
+    assert [p.name for p in run.step_checkpoints("mine")] == [f"checkpoint_step{n}.pt" for n in (2, 9, 10, 100)]
+    run.prune(2, "mine")
+    names = ["checkpoint_step10.pt", "checkpoint_step100.pt"]
+    assert [p.name for p in run.step_checkpoints("mine")] == names
+    assert [p.name for p in run.step_checkpoints()] == ["checkpoint_step10.pt", "checkpoint_step50.pt", names[1]]
 
 
 def test_average_is_the_mean_of_the_parameters(tmp_path: Path, cfg: ExperimentConfig, tokenizer: Tokenizer) -> None:
     models = [model_with_seed(cfg, tokenizer, seed) for seed in range(3)]
     paths = [tmp_path / f"c{seed}.pt" for seed in range(3)]
     for model, path in zip(models, paths):
-        save_checkpoint(path, model, tokenizer, cfg)
+        save_model(path, model, tokenizer, cfg)
     average_checkpoints(paths, tmp_path / "avg.pt")
-    averaged = read_checkpoint(tmp_path / "avg.pt")
-    assert averaged["train_state"] is None and averaged["averaged_from"] == [str(p) for p in paths]
+    averaged = ckpt.read(tmp_path / "avg.pt")
+    assert averaged.training is None and averaged.averaged_from == [str(p) for p in paths]
     states = [m.state_dict() for m in models]
-    for name, tensor in averaged["model"].items():
+    for name, tensor in averaged.model.items():
         expected = sum(s[name].double() for s in states) / 3
         torch.testing.assert_close(tensor, expected.float(), rtol=0, atol=1e-7)
         assert tensor.dtype == states[0][name].dtype
@@ -113,29 +210,31 @@ def test_average_is_the_mean_of_the_parameters(tmp_path: Path, cfg: ExperimentCo
 def test_average_refuses_checkpoints_of_different_models(
     tmp_path: Path, cfg: ExperimentConfig, tokenizer: Tokenizer
 ) -> None:
-    save_checkpoint(tmp_path / "a.pt", model_with_seed(cfg, tokenizer, 0), tokenizer, cfg)
+    save_model(tmp_path / "a.pt", model_with_seed(cfg, tokenizer, 0), tokenizer, cfg)
     wider = load_config(TINY, ["model.d_ff=256"])
-    save_checkpoint(tmp_path / "b.pt", model_with_seed(wider, tokenizer, 0), tokenizer, wider)
+    save_model(tmp_path / "b.pt", model_with_seed(wider, tokenizer, 0), tokenizer, wider)
     with pytest.raises(CheckpointError, match="has shape"):
         average_checkpoints([tmp_path / "a.pt", tmp_path / "b.pt"], tmp_path / "avg.pt")
     with pytest.raises(CheckpointError, match="no checkpoints"):
         average_checkpoints([], tmp_path / "avg.pt")
 
 
-def test_cli_averages_the_last_n_step_checkpoints_and_the_result_translates(
+def test_cli_averages_the_last_n_step_checkpoints_of_the_run_and_the_result_translates(
     tmp_path: Path, cfg: ExperimentConfig, tokenizer: Tokenizer, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    run = tmp_path / "run"
+    run = RunDirectory(tmp_path / "run")
     states = []
     for step in (1, 2, 3):
         model = model_with_seed(cfg, tokenizer, step)
-        save_checkpoint(step_checkpoint_path(run, step), model, tokenizer, cfg)
+        save_model(run.step(step), model, tokenizer, cfg, run_id="mine")
         states.append(model.state_dict())
+    save_model(run.last, model, tokenizer, cfg, run_id="mine")
+    save_model(run.step(4), model_with_seed(cfg, tokenizer, 9), tokenizer, cfg, run_id="earlier")  # not this run's
     out = tmp_path / "avg.pt"
-    assert main(["average", "--run-dir", str(run), "--last", "2", "-o", str(out)]) == 0
-    averaged = read_checkpoint(out)
-    assert averaged["averaged_from"] == [str(step_checkpoint_path(run, s)) for s in (2, 3)]
-    for name, tensor in averaged["model"].items():
+    assert main(["average", "--run-dir", str(run.path), "--last", "2", "-o", str(out)]) == 0
+    averaged = ckpt.read(out)
+    assert averaged.averaged_from == [str(run.step(s)) for s in (2, 3)]
+    for name, tensor in averaged.model.items():
         torch.testing.assert_close(tensor, ((states[1][name].double() + states[2][name].double()) / 2).float())
     translations = Translator.from_checkpoint(out).translate(["red cat dog", "sun"])
     assert len(translations) == 2 and all(isinstance(t, str) for t in translations)

@@ -16,7 +16,8 @@ import pytest
 import torch
 from conftest import TINY, single_thread_env, tiny_overrides
 
-from seq2seq.checkpoint import load_checkpoint, save_checkpoint
+from seq2seq import checkpoint as ckpt
+from seq2seq.checkpoint import Checkpoint, load_checkpoint
 from seq2seq.cli import main
 from seq2seq.config import load_config
 from seq2seq.data import pad
@@ -78,11 +79,11 @@ def test_checkpoint_reload_gives_identical_logits(trained_run: Path, tmp_path: P
     tgt = pad([[BOS] + tokenizer.encode_tgt(["dog cat red"])[0], [BOS]])
     before = model(src, src == PAD, tgt)
 
-    save_checkpoint(tmp_path / "copy.pt", model, tokenizer, loaded.config)
+    ckpt.save(tmp_path / "copy.pt", Checkpoint(loaded.config, tokenizer, model.state_dict()))
     again = load_checkpoint(tmp_path / "copy.pt")
     assert torch.equal(again.model(src, src == PAD, tgt), before)
     assert again.tokenizer.encode_src(["red cat dog"]) == tokenizer.encode_src(["red cat dog"])
-    assert again.train_state is None
+    assert again.checkpoint.training is None
 
     # The weights really come from the file: a fresh model of the same shape disagrees.
     torch.manual_seed(123)
@@ -92,7 +93,8 @@ def test_checkpoint_reload_gives_identical_logits(trained_run: Path, tmp_path: P
 
 def test_last_checkpoint_can_resume(trained_run: Path) -> None:
     last = load_checkpoint(trained_run / "checkpoint_last.pt")
-    assert last.train_state is not None and last.train_state["progress"]["step"] > 0
+    training = last.checkpoint.training
+    assert training is not None and training.progress.step > 0 and last.checkpoint.run_id
 
 
 @pytest.mark.parametrize("damage", ["random-bytes", "truncated", "empty", "missing", "directory"])

@@ -11,7 +11,8 @@ import pytest
 import torch
 from conftest import ROOT, TINY, tiny_overrides, write_corpus
 
-from seq2seq.checkpoint import LAST, read_checkpoint
+from seq2seq import checkpoint as ckpt
+from seq2seq.checkpoint import LAST
 from seq2seq.config import load_config
 from seq2seq.training.trainer import train
 
@@ -49,12 +50,13 @@ def test_two_gloo_processes_match_one_process_with_the_doubled_batch(tmp_path: P
     single = train(load_config(TINY, tiny_overrides(corpus, single_run, *COMMON, "train.update_freq=2")))
 
     assert (ddp_run / "spm.model").read_bytes() == (single_run / "spm.model").read_bytes()
-    ddp = read_checkpoint(ddp_run / LAST)
-    assert ddp["train_state"]["progress"]["step"] == single.step == 4
-    assert ddp["train_state"]["progress"]["batch_in_epoch"] == 4  # per rank; the single process used 8
+    ddp = ckpt.read(ddp_run / LAST)
+    assert ddp.training is not None
+    assert ddp.training.progress.step == single.step == 4
+    assert ddp.training.progress.batch_in_epoch == 4  # per rank; the single process used 8
     assert single.batch_in_epoch == 8
-    reference = read_checkpoint(single_run / LAST)["model"]
-    for name, tensor in ddp["model"].items():
+    reference = ckpt.read(single_run / LAST).model
+    for name, tensor in ddp.model.items():
         torch.testing.assert_close(tensor, reference[name], rtol=1e-5, atol=1e-6, msg=name)
     log = (ddp_run / "train.log").read_text()
     assert log.count("model: ") == 1 and "2 process(es)" in log  # rank 0 alone writes the log
@@ -64,4 +66,4 @@ def test_two_gloo_processes_match_one_process_with_the_doubled_batch(tmp_path: P
         "checkpoint_last.pt",
         "checkpoint_step4.pt",
     ]
-    assert ddp["train_state"]["progress"]["best"] == pytest.approx(single.best, rel=1e-5)
+    assert ddp.training.progress.best == pytest.approx(single.best, rel=1e-5)

@@ -17,12 +17,13 @@ import pytest
 import torch
 from conftest import ROOT, TINY, tiny_overrides, write_corpus
 
-from seq2seq.checkpoint import LAST, read_checkpoint
+from seq2seq import checkpoint as ckpt
+from seq2seq.checkpoint import LAST, Progress
 from seq2seq.cli import main
 from seq2seq.config import ExperimentConfig, load_config
-from seq2seq.data import collate
+from seq2seq.data import collate, encode_corpus
 from seq2seq.training import device as device_module
-from seq2seq.training import trainer as trainer_module
+from seq2seq.training import update as update_module
 from seq2seq.training.device import resolve_precision
 from seq2seq.training.optim import lr_at
 from seq2seq.training.trainer import Trainer, TrainingError, train
@@ -48,11 +49,13 @@ def config(corpus: Path, run_dir: Path, *extra: str) -> ExperimentConfig:
 
 
 def weights(run_dir: Path, name: str = LAST) -> dict[str, torch.Tensor]:
-    return read_checkpoint(run_dir / name)["model"]
+    return ckpt.read(run_dir / name).model
 
 
-def progress(run_dir: Path) -> dict[str, object]:
-    return read_checkpoint(run_dir / LAST)["train_state"]["progress"]
+def progress(run_dir: Path) -> Progress:
+    training = ckpt.read(run_dir / LAST).training
+    assert training is not None
+    return training.progress
 
 
 # Learning-rate schedules: pure functions of the step.
@@ -108,14 +111,15 @@ def test_schedules_are_pure_functions_of_the_step() -> None:
 def test_accumulating_two_batches_equals_one_batch_of_their_union(small: Path, tmp_path: Path) -> None:
     trainer = Trainer(config(small, tmp_path / "run", "model.dropout=0"))
     try:
-        first, second = trainer.epoch_batches(1)[:2]
-        parts = [collate(trainer.train_data, first), collate(trainer.train_data, second)]
-        union = [collate(trainer.train_data, first + second)]
+        first, second = trainer.epochs.batches(1)[:2]
+        data = trainer.epochs.corpus(1)
+        parts = [collate(data, first), collate(data, second)]
+        union = [collate(data, first + second)]
         results, grads = [], []
         for batches in (parts, union):
-            results.append(trainer.accumulate(batches, step=1))
+            results.append(trainer.update.accumulate(batches, step=1))
             grads.append([p.grad.clone() for p in trainer.model.parameters()])
-            trainer.optimizer.zero_grad(set_to_none=True)
+            trainer.update.optimizer.zero_grad(set_to_none=True)
         (loss_a, nll_a, tokens_a), (loss_b, nll_b, tokens_b) = results
         assert tokens_a == tokens_b == parts[0].n_tokens + parts[1].n_tokens
         assert loss_a == pytest.approx(loss_b, rel=1e-5) and nll_a == pytest.approx(nll_b, rel=1e-5)
@@ -158,8 +162,8 @@ def test_rdrop_reaches_the_training_step_and_trains(small: Path, tmp_path: Path)
     for alpha in (1e-6, 2.0):  # R-Drop on in both: the same two dropout masks, a heavier KL in the second
         trainer = Trainer(config(small, tmp_path / f"alpha{alpha}", "model.dropout=0.1", f"train.rdrop_alpha={alpha}"))
         try:
-            batch = collate(trainer.train_data, trainer.epoch_batches(1)[0])
-            losses.append(trainer.accumulate([batch], step=1)[0])
+            batch = collate(trainer.epochs.corpus(1), trainer.epochs.batches(1)[0])
+            losses.append(trainer.update.accumulate([batch], step=1)[0])
         finally:
             trainer.close()
     assert losses[1] > losses[0]
@@ -208,13 +212,14 @@ def test_subword_sampling_draws_a_new_segmentation_each_epoch(small: Path, tmp_p
     fixed = Trainer(config(small, tmp_path / "fixed"))
     sampled = Trainer(config(small, tmp_path / "sampled", "data.sampling_alpha=0.2", "data.sampling_nbest=-1"))
     try:
-        assert fixed.epoch_data(1) is fixed.epoch_data(2) is fixed.train_data
-        first, second = sampled.epoch_data(1).src, sampled.epoch_data(2).src
-        assert first != second and sampled.train_data.src not in (first, second)
-        assert sampled.epoch_data(1).src == first  # re-drawn, not remembered
-        assert sampled.valid_data == fixed.valid_data  # validation keeps the best segmentation
+        assert fixed.epochs.corpus(1) is fixed.epochs.corpus(2)
+        best = encode_corpus(sampled.tokenizer, *sampled.epochs.text, 128, "train")  # the best segmentation
+        first, second = sampled.epochs.corpus(1).src, sampled.epochs.corpus(2).src
+        assert first != second and best.src not in (first, second)
+        assert sampled.epochs.corpus(1).src == first  # re-drawn, not remembered
+        assert sampled.validator.corpus == fixed.validator.corpus  # validation keeps the best segmentation
         decode = sampled.tokenizer.decode_tgt
-        assert [decode(ids) for ids in first] == [decode(ids) for ids in sampled.train_data.src]
+        assert [decode(ids) for ids in first] == [decode(ids) for ids in best.src]
     finally:
         fixed.close()
         sampled.close()
@@ -279,7 +284,7 @@ def test_a_signal_saves_a_checkpoint_and_exits_cleanly(small: Path, tmp_path: Pa
     err = stderr.read_text()
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     assert f"stopped by {sig.name}; run the same command to resume" in err
-    stopped = progress(run)["step"]
+    stopped = progress(run).step
     assert stopped >= 3
     assert f"stopped by a signal at step {stopped}" in (run / "train.log").read_text()
     state = train(config(small, run, f"train.max_steps={stopped + 2}"))
@@ -294,12 +299,12 @@ def test_kill_9_leaves_only_complete_checkpoints_and_the_run_resumes(small: Path
     proc.send_signal(signal.SIGKILL)  # saving is continuous here, so this often lands mid-write
     proc.wait(timeout=60)
     expected = re.compile(
-        r"checkpoint_(last|best|step\d+)\.pt|config\.yaml|spm\.model|train\.log|tb|\.checkpoint.*\.tmp"
+        r"checkpoint_(last|best|step\d+)\.pt|config\.yaml|spm\.model|train\.log|tb|\.lock|\.checkpoint.*\.tmp"
     )
     assert all(expected.fullmatch(name) for name in os.listdir(run)), os.listdir(run)
     for path in run.glob("checkpoint*.pt"):
-        read_checkpoint(path)  # complete and loadable
-    saved = progress(run)["step"]
+        ckpt.read(path)  # complete and loadable
+    saved = progress(run).step
     assert saved >= 8
     (run / ".checkpoint_last.pt.x1y2.tmp").write_bytes(b"half a checkpoint")
     state = train(
@@ -317,14 +322,14 @@ def test_kill_9_leaves_only_complete_checkpoints_and_the_run_resumes(small: Path
 
 def _nan_loss(monkeypatch: pytest.MonkeyPatch, bad: Callable[[int], bool]) -> None:
     """Make the training loss of the micro-batches `bad` selects (by call number) NaN."""
-    real, calls = trainer_module.batch_loss, [0]
+    real, calls = update_module.batch_loss, [0]
 
     def loss(model: torch.nn.Module, batch: object, *args: float) -> tuple[torch.Tensor, torch.Tensor]:
         value, nll = real(model, batch, *args)
         calls[0] += 1
         return (value * math.nan, nll) if model.training and bad(calls[0]) else (value, nll)
 
-    monkeypatch.setattr(trainer_module, "batch_loss", loss)
+    monkeypatch.setattr(update_module, "batch_loss", loss)
 
 
 def test_a_nan_loss_skips_the_update_with_a_warning(
@@ -361,17 +366,21 @@ def test_persistent_nan_is_one_line_from_the_cli(
 
 @pytest.mark.parametrize("metric, scores", [("bleu", [1.0, 3.0, 2.0, 2.5, 9.0]), ("loss", [3.0, 1.0, 2.0, 1.5, 0.1])])
 def test_best_checkpoint_by_metric_and_early_stopping(
-    small: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, metric: str, scores: list[float]
+    small: Path, tmp_path: Path, metric: str, scores: list[float]
 ) -> None:
     remaining = iter(scores)
 
-    def validate(self: Trainer) -> dict[str, float]:
-        value = next(remaining)
-        return {"loss": value, "ppl": math.exp(value), "bleu": value}
+    class Scripted:
+        """A validator that returns the scores of the test's script."""
 
-    monkeypatch.setattr(Trainer, "validate", validate)
+        examples = ""
+
+        def __call__(self) -> dict[str, float]:
+            value = next(remaining)
+            return {"loss": value, "ppl": math.exp(value), "bleu": value}
+
     run = tmp_path / "run"
-    state = train(
+    trainer = Trainer(
         config(
             small,
             run,
@@ -383,6 +392,8 @@ def test_best_checkpoint_by_metric_and_early_stopping(
             "train.max_steps=20",
         )
     )
+    trainer.validator = Scripted()  # type: ignore[assignment]
+    state = trainer.fit()
     assert state.step == 4, "two validations without improvement after the best (step 2) stop the run"
     assert (state.best, state.best_metric, state.bad_validations) == (scores[1], metric, 2)
     best, step2 = weights(run, "checkpoint_best.pt"), weights(run, "checkpoint_step2.pt")

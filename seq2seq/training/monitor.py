@@ -83,18 +83,12 @@ def tensorboard(directory: Path, resume_step: int) -> Any:
     return SummaryWriter(str(directory), purge_step=resume_step + 1 if resume_step else None)
 
 
-def attach_log_file(path: Path) -> logging.Handler:
-    """Copy the `seq2seq` log, debug lines included, into `path` (appending across resumes)."""
-    handler = logging.FileHandler(path, encoding="utf-8")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-    handler.setLevel(logging.DEBUG)
-    root = logging.getLogger("seq2seq")
-    root.addHandler(handler)
-    root.setLevel(logging.DEBUG)
-    return handler
-
-
-def detach_log_file(handler: logging.Handler | None) -> None:
-    if handler is not None:
-        logging.getLogger("seq2seq").removeHandler(handler)
-        handler.close()
+def log_validation(writer: Any, step: int, scores: dict[str, float], minutes: float, examples: str) -> None:
+    """Validation scores, the training minutes so far and (with BLEU) example translations, to TensorBoard."""
+    if writer is None:
+        return
+    for name, value in scores.items():
+        writer.add_scalar(f"valid/{name}", value, step)
+    writer.add_scalar("valid/minutes", minutes, step)
+    if "bleu" in scores:
+        writer.add_text("valid/examples", examples, step)

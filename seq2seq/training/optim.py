@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import torch
 
-from seq2seq.config import TrainConfig
+from seq2seq.config import ExperimentConfig, TrainConfig
 
 
 def lr_at(step: int, schedule: str, lr: float, warmup: int, total_steps: int = 0, d_model: int = 512) -> float:
@@ -41,3 +43,12 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
     kind = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
     # The fused kernel updates each tensor in one pass (CPU and CUDA) instead of ~10 elementwise ops.
     return kind(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, fused=True)
+
+
+def lr_schedule(cfg: ExperimentConfig, updates_per_epoch: int) -> Callable[[int], float]:
+    """The learning rate of each update of a run; the cosine ends at train.max_steps (or the last epoch's end)."""
+    t = cfg.train
+    total = t.max_steps or updates_per_epoch * t.max_epochs
+    return functools.partial(
+        lr_at, schedule=t.schedule, lr=t.lr, warmup=t.warmup_steps, total_steps=total, d_model=cfg.model.d_model
+    )

@@ -61,3 +61,42 @@ def examples(sources: Sequence[str], hypotheses: Sequence[str], references: Sequ
     """A few translations beside their sources and references, as TensorBoard text (markdown)."""
     rows = [f"    {s}\n    -> {h}\n    (ref) {r}" for s, h, r in list(zip(sources, hypotheses, references))[:n]]
     return "\n\n".join(rows)
+
+
+class Validator:
+    """Scores the model on the validation set: loss always, BLEU by decoding when asked."""
+
+    def __init__(
+        self,
+        model: Seq2SeqTransformer,
+        tokenizer: Tokenizer,
+        corpus: EncodedCorpus,
+        text: tuple[Sequence[str], Sequence[str]],  # (sources, references)
+        decode: DecodeConfig,
+        max_tokens: int,
+        label_smoothing: float,
+        precision: str,
+        device: torch.device,
+        with_bleu: bool = True,
+    ) -> None:
+        self.model, self.tokenizer, self.corpus, self.text, self.decode = model, tokenizer, corpus, text, decode
+        self.max_tokens, self.label_smoothing, self.precision, self.device = (
+            max_tokens,
+            label_smoothing,
+            precision,
+            device,
+        )
+        self.with_bleu = with_bleu
+        self.examples = ""  # a few translations of the last validation, as markdown
+
+    def __call__(self) -> dict[str, float]:
+        """Loss, NLL, perplexity and (with_bleu) BLEU."""
+        scores = loss_scores(
+            self.model, self.corpus, self.max_tokens, self.label_smoothing, self.precision, self.device
+        )
+        if self.with_bleu:
+            sources, references = self.text
+            hypotheses = translations(self.model, self.tokenizer, self.decode, sources, self.device)
+            scores["bleu"] = bleu(hypotheses, references)
+            self.examples = examples(sources, hypotheses, references)
+        return scores

@@ -1,0 +1,140 @@
+"""Set-up of a run: device, tokenizer, data, model and optimizer, and what a resume may change."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from seq2seq.checkpoint import Checkpoint, Progress
+from seq2seq.config import DataConfig, ExperimentConfig, TrainConfig, to_dict
+from seq2seq.data import encode_corpus, read_parallel
+from seq2seq.model import Seq2SeqTransformer, build_model
+from seq2seq.run_dir import RunDirectory
+from seq2seq.tokenizer import Tokenizer, train_tokenizer
+from seq2seq.training import distributed as dist
+from seq2seq.training.device import TrainingError, resolve_device, resolve_precision
+from seq2seq.training.epochs import EpochSource
+from seq2seq.training.optim import build_optimizer
+from seq2seq.training.validation import Validator
+
+log = logging.getLogger("seq2seq.train")
+
+# What a resume may not change: the stored tokenizer, the encoded data and the weights depend on them.
+# data.test is only read by `evaluate`.
+FIXED_ON_RESUME = ("data.", "model.")
+FREE_ON_RESUME = ("data.test",)
+
+
+def setup_device(t: TrainConfig) -> tuple[torch.device, str]:
+    """Device, precision, threads, determinism and (under torchrun) the process group."""
+    device = resolve_device(t.device)
+    precision = resolve_precision(t.precision, device)
+    if t.threads:
+        torch.set_num_threads(t.threads)
+    dist.setup(device)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())  # this rank's GPU under torchrun
+    if t.deterministic:
+        if device.type == "cuda":
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS refuses determinism without it
+        torch.use_deterministic_algorithms(True)
+    return device, precision
+
+
+def shared_tokenizer(d: DataConfig) -> Tokenizer:
+    """Train SentencePiece on rank 0 and share it with the other ranks."""
+    proto: list[Any] = [None]
+    if dist.is_main():
+        src, tgt = read_parallel(d.dir, d.train, d.src_lang, d.tgt_lang)
+        kind = "shared" if d.shared_vocab else "per language"
+        log.info("training a %s SentencePiece vocabulary of %d (%s)", d.spm_model_type, d.vocab_size, kind)
+        proto[0] = train_tokenizer(src, tgt, d.vocab_size, d.shared_vocab, d.spm_model_type).state()
+    if dist.world_size() > 1:
+        torch.distributed.broadcast_object_list(proto, src=0)
+    return Tokenizer.from_state(proto[0])
+
+
+def training_data(cfg: ExperimentConfig, tokenizer: Tokenizer) -> EpochSource:
+    d = cfg.data
+    text = read_parallel(d.dir, d.train, d.src_lang, d.tgt_lang)
+    source = EpochSource(tokenizer, text, d, cfg.train.max_tokens, cfg.train.seed, dist.rank(), dist.world_size())
+    log.info("data: %d training pairs", len(source.corpus(1)))
+    return source
+
+
+def build_validator(
+    cfg: ExperimentConfig, tokenizer: Tokenizer, model: Seq2SeqTransformer, precision: str, device: torch.device
+) -> Validator:
+    """Validation on the valid split, encoded up to the model's length with the best segmentation."""
+    d, t = cfg.data, cfg.train
+    text = read_parallel(d.dir, d.valid, d.src_lang, d.tgt_lang)
+    corpus = encode_corpus(tokenizer, *text, cfg.model.max_positions - 1, f"{d.dir}/{d.valid}")
+    log.info("data: %d validation pairs", len(corpus))
+    return Validator(
+        model, tokenizer, corpus, text, cfg.decode, t.max_tokens, t.label_smoothing, precision, device, t.valid_bleu
+    )
+
+
+def build_training_model(
+    cfg: ExperimentConfig, tokenizer: Tokenizer, device: torch.device, precision: str
+) -> tuple[Seq2SeqTransformer, torch.optim.Optimizer, torch.amp.GradScaler]:
+    torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
+    model = build_model(cfg.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size).to(device)
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    return model, build_optimizer(model, cfg.train), scaler
+
+
+def restore(
+    resume: Checkpoint,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    run: RunDirectory,
+    changes: list[str],
+) -> Progress:
+    """Load a checkpoint's weights and training state into a freshly built model; returns its progress."""
+    assert resume.training is not None  # check_resumable refuses a checkpoint without it
+    model.load_state_dict(resume.model)
+    optimizer.load_state_dict(resume.training.optimizer)
+    scaler.load_state_dict(resume.training.scaler)
+    for change in changes:
+        log.info("config changed since the checkpoint: %s", change)
+    p = resume.training.progress
+    log.info("resuming %s at step %d (epoch %d, batch %d)", run.path, p.step, p.epoch, p.batch_in_epoch)
+    return p
+
+
+def wrap_ddp(model: torch.nn.Module, device: torch.device) -> DistributedDataParallel | None:
+    if dist.world_size() == 1:
+        return None
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def check_resumable(resume: Checkpoint, cfg: ExperimentConfig, run: RunDirectory) -> list[str]:
+    """Refuse a changed setting the stored tokenizer, data or weights depend on; return the harmless changes."""
+    if resume.training is None:
+        raise TrainingError(f"{run.last} has no training state to resume from")
+    changes = config_changes(to_dict(resume.config), to_dict(cfg))
+    for key, old, new in changes:
+        if key.startswith(FIXED_ON_RESUME) and key not in FREE_ON_RESUME:
+            raise TrainingError(
+                f"cannot resume {run.path}: the config does not match its checkpoint: {key} is {new}, but the run "
+                f"was started with {old} and its tokenizer, data and weights depend on it"
+            )
+    return [f"{key}: {old} -> {new}" for key, old, new in changes]
+
+
+def config_changes(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(key, old, new) for each setting that differs between two config dicts."""
+    out = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_changes(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append((f"{prefix}{key}", a, b))
+    return out
