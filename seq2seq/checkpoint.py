@@ -22,17 +22,14 @@ from typing import Any
 
 import torch
 
-from seq2seq.config import ConfigError, ExperimentConfig, UserError, from_dict, to_dict
+from seq2seq.config import ExperimentConfig, from_dict, to_dict
+from seq2seq.errors import CheckpointError, ConfigError
 from seq2seq.model import Seq2SeqTransformer, build_model
 from seq2seq.tokenizer import Tokenizer
 
 FORMAT = "seq2seq-checkpoint-1"
 LAST, BEST = "checkpoint_last.pt", "checkpoint_best.pt"
 _TMP_SUFFIX = ".tmp"
-
-
-class CheckpointError(UserError):
-    """An unusable checkpoint, described in one line for the user."""
 
 
 @dataclass

@@ -16,11 +16,12 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from seq2seq.config import ConfigError, UserError, apply_overrides, load_config
-from seq2seq.data import DataError, read_lines
+from seq2seq.config import apply_overrides, load_config
+from seq2seq.data import read_lines
+from seq2seq.errors import ConfigError, DataError, UserError
 
 if TYPE_CHECKING:
-    from seq2seq.config import ExperimentConfig
+    from seq2seq.config import DataConfig
     from seq2seq.translate import Translation, Translator
 
 log = logging.getLogger("seq2seq")
@@ -162,7 +163,9 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _translator(args: argparse.Namespace) -> Translator:
-    from seq2seq.training.trainer import resolve_device
+    """The checkpoint's model with its stored decode settings, changed by the command line's decode.* overrides."""
+    from seq2seq.checkpoint import load_checkpoint
+    from seq2seq.device import resolve_device
     from seq2seq.translate import Translator
 
     bad = [o for o in args.overrides if not o.startswith("decode.")]
@@ -174,11 +177,10 @@ def _translator(args: argparse.Namespace) -> Translator:
         import torch
 
         torch.set_num_threads(args.threads)
-    translator = Translator.from_checkpoint(args.checkpoint, resolve_device(args.device))
-    assert translator.config is not None
-    translator.config = apply_overrides(translator.config, args.overrides)
-    translator.decode = translator.config.decode
-    return translator
+    device = resolve_device(args.device, option="--device")
+    loaded = load_checkpoint(args.checkpoint, device)
+    config = apply_overrides(loaded.config, args.overrides)  # checked like a config file, with the model's limits
+    return Translator(loaded.model, loaded.tokenizer, config.decode, device, config.data)
 
 
 def _translate(args: argparse.Namespace) -> int:
@@ -259,7 +261,8 @@ def _evaluate(args: argparse.Namespace) -> int:
         hyps, refs = read_lines(args.hypotheses), read_lines(args.ref)
     else:
         translator = _translator(args)
-        src, refs = _test_set(translator.config, args.src, args.ref)
+        assert translator.data is not None  # loaded from a checkpoint
+        src, refs = _test_set(translator.data, args.src, args.ref)
         hyps = translator.translate(src)
     if len(hyps) != len(refs):
         raise DataError(f"{len(hyps)} hypotheses but {len(refs)} references")
@@ -272,19 +275,18 @@ def _evaluate(args: argparse.Namespace) -> int:
     if args.lowercase:
         scores.append(metrics.bleu(hyps, refs, lowercase=True, n_bootstrap=n))
     if args.tok_ref:
-        lang = translator.config.data.tgt_lang if not args.hypotheses else Path(args.tok_ref).suffix.lstrip(".")
+        lang = translator.data.tgt_lang if not args.hypotheses else Path(args.tok_ref).suffix.lstrip(".")
         scores.append(metrics.tokenized_bleu(hyps, read_lines(args.tok_ref), lang, n_bootstrap=n))
     for score in scores:
         print(score)
     return 0
 
 
-def _test_set(cfg: ExperimentConfig, src: str | None, ref: str | None) -> tuple[list[str], list[str]]:
+def _test_set(data: DataConfig, src: str | None, ref: str | None) -> tuple[list[str], list[str]]:
     from seq2seq.data import find_file
 
-    d = cfg.data
-    src_path = src or find_file(d.dir, d.test, d.src_lang)
-    ref_path = ref or find_file(d.dir, d.test, d.tgt_lang)
+    src_path = src or find_file(data.dir, data.test, data.src_lang)
+    ref_path = ref or find_file(data.dir, data.test, data.tgt_lang)
     return read_lines(src_path), read_lines(ref_path)
 
 

@@ -16,7 +16,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from seq2seq.config import UserError
+from seq2seq.errors import DownloadError
 
 log = logging.getLogger(__name__)
 
@@ -25,10 +25,6 @@ MIRROR_ENV = "SEQ2SEQ_DATA_MIRROR"
 LINES = {"train": 29_000, "val": 1_014, "test_2016_flickr": 1_000}
 LANGUAGES = ("en", "de", "fr", "cs")
 TOKENIZED_SPLITS = ("val", "test_2016_flickr")
-
-
-class DownloadError(UserError):
-    """A file could not be fetched or is not what it should be."""
 
 
 def download_multi30k(dest: str | Path, langs: tuple[str, ...], mirror: str | Path | None = None) -> list[Path]:

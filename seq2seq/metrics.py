@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import sacrebleu
 
-from seq2seq.config import UserError
+from seq2seq.errors import UserError
 
 
 @dataclass

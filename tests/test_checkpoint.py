@@ -10,7 +10,6 @@ import torch
 from conftest import TINY, reversal_pairs
 
 from seq2seq.checkpoint import (
-    CheckpointError,
     atomic_save,
     average_checkpoints,
     load_checkpoint,
@@ -23,6 +22,7 @@ from seq2seq.checkpoint import (
 )
 from seq2seq.cli import main
 from seq2seq.config import ExperimentConfig, load_config
+from seq2seq.errors import CheckpointError
 from seq2seq.model import Seq2SeqTransformer, build_model
 from seq2seq.tokenizer import Tokenizer, train_tokenizer
 from seq2seq.translate import Translator

@@ -41,11 +41,12 @@ from seq2seq.checkpoint import (
 )
 from seq2seq.config import ExperimentConfig, save_config, to_dict
 from seq2seq.data import Batch, EncodedCorpus, collate, encode_corpus, make_batches, read_parallel
+from seq2seq.device import autocast, resolve_device, resolve_precision
+from seq2seq.errors import TrainingError
 from seq2seq.model import Seq2SeqTransformer, build_model, kernel_scope, training_kernel
 from seq2seq.tokenizer import Sampling, Tokenizer, train_tokenizer
 from seq2seq.training import distributed as dist
 from seq2seq.training import monitor, validation
-from seq2seq.training.device import TrainingError, autocast, resolve_device, resolve_precision
 from seq2seq.training.loss import batch_loss
 from seq2seq.training.optim import build_optimizer, lr_at
 from seq2seq.training.signals import StopSignal
