@@ -86,7 +86,9 @@ def ensure_checkpoint(path: Path, minutes: float) -> None:
     if minutes <= 0:
         sys.exit(f"bench_decode: no checkpoint at {path}; give --checkpoint or --train-minutes")
     command = [
-        str(ROOT / ".venv/bin/seq2seq"),
+        sys.executable,
+        "-m",
+        "seq2seq",
         "train",
         "--config",
         str(ROOT / "configs/quickstart.yaml"),

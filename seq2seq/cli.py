@@ -85,7 +85,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--src", help="source file (default: the config's test split)")
     p.add_argument("--ref", help="reference file (default: the config's test split)")
     p.add_argument("--lowercase", action="store_true", help="also report lower-cased BLEU")
-    p.add_argument("--tok-ref", help="tokenized lower-cased reference (Multi30k lc.norm.tok) for tokenized BLEU")
+    p.add_argument(
+        "--tok-ref",
+        help="tokenized lower-cased reference (Multi30k lc.norm.tok) for tokenized BLEU "
+        "(default: the test split's under data.dir/tok/, when it exists and --ref is not given)",
+    )
     p.add_argument(
         "--bootstrap",
         type=int,
@@ -255,29 +259,29 @@ def _evaluate(args: argparse.Namespace) -> int:
         raise ConfigError("evaluate needs --checkpoint or --hypotheses")
     if args.checkpoint and args.hypotheses:
         raise ConfigError("evaluate takes --checkpoint or --hypotheses, not both")
+    if args.bootstrap < 1:
+        raise ConfigError(f"--bootstrap must be at least 1, got {args.bootstrap}")
+    tok_ref: Path | None = Path(args.tok_ref) if args.tok_ref else None
     if args.hypotheses:
         if not args.ref:
             raise ConfigError("evaluate --hypotheses needs --ref")
         hyps, refs = read_lines(args.hypotheses), read_lines(args.ref)
+        lang = tok_ref.suffix.lstrip(".") if tok_ref else ""  # e.g. test_2016_flickr.lc.norm.tok.en
     else:
         translator = _translator(args)
         assert translator.data is not None  # loaded from a checkpoint
         src, refs = _test_set(translator.data, args.src, args.ref)
+        lang = translator.data.tgt_lang
+        if tok_ref is None and args.ref is None:
+            tok_ref = _default_tok_ref(translator.data)
         hyps = translator.translate(src)
     if len(hyps) != len(refs):
         raise DataError(f"{len(hyps)} hypotheses but {len(refs)} references")
     if args.save:
         Path(args.save).write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
-    if args.bootstrap < 1:
-        raise ConfigError(f"--bootstrap must be at least 1, got {args.bootstrap}")
-    n = args.bootstrap
-    scores = [metrics.bleu(hyps, refs, n_bootstrap=n), metrics.chrf(hyps, refs), metrics.ter(hyps, refs)]
-    if args.lowercase:
-        scores.append(metrics.bleu(hyps, refs, lowercase=True, n_bootstrap=n))
-    if args.tok_ref:
-        lang = translator.data.tgt_lang if not args.hypotheses else Path(args.tok_ref).suffix.lstrip(".")
-        scores.append(metrics.tokenized_bleu(hyps, read_lines(args.tok_ref), lang, n_bootstrap=n))
-    for score in scores:
+    tok_refs = read_lines(tok_ref) if tok_ref else None
+    report = metrics.report(hyps, refs, args.bootstrap, args.lowercase, tok_refs, lang)
+    for score in report.scores():
         print(score)
     return 0
 
@@ -288,6 +292,21 @@ def _test_set(data: DataConfig, src: str | None, ref: str | None) -> tuple[list[
     src_path = src or find_file(data.dir, data.test, data.src_lang)
     ref_path = ref or find_file(data.dir, data.test, data.tgt_lang)
     return read_lines(src_path), read_lines(ref_path)
+
+
+def _default_tok_ref(data: DataConfig) -> Path | None:
+    """The test split's tokenized reference, when the dataset has one and sacremoses can use it."""
+    import importlib.util
+
+    from seq2seq.download import tokenized_reference
+
+    path = tokenized_reference(data.dir, data.test, data.tgt_lang)
+    if not path.is_file():
+        return None
+    if importlib.util.find_spec("sacremoses") is None:
+        log.info("no tokenized BLEU against %s: it needs sacremoses (pip install 'seq2seq[recipes]')", path)
+        return None
+    return path
 
 
 def _average(args: argparse.Namespace) -> int:

@@ -240,6 +240,10 @@ def test_evaluate_bootstrap_adds_an_interval_and_keeps_the_score(
     assert 0 < float(resampled.split()[4]) < 20
     assert main(["evaluate", "--hypotheses", str(hyp), "--ref", str(ref), "--bootstrap", "0"]) == 2
     assert "--bootstrap must be at least 1" in one_error_line(capsys)
+    # refused before anything is decoded or saved
+    save = tmp_path / "saved.txt"
+    assert main(["evaluate", "-c", "missing.pt", "--bootstrap", "0", "--save", str(save)]) == 2
+    assert "--bootstrap must be at least 1" in one_error_line(capsys) and not save.exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

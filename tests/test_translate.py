@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import queue
+import shutil
 import subprocess
 import sys
 import threading
@@ -15,7 +16,9 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, reversal_pairs, single_thread_env
 
+from seq2seq.checkpoint import load_checkpoint, save_checkpoint
 from seq2seq.cli import main
+from seq2seq.download import tokenized_reference
 from seq2seq.errors import ConfigError
 from seq2seq.search import length_penalty
 from seq2seq.translate import Translation, Translator
@@ -197,6 +200,32 @@ def test_evaluate_a_checkpoint(
     bleu = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("BLEU = "))
     assert float(bleu.split()[2]) > 80
     assert len(save.read_text(encoding="utf-8").splitlines()) == 100
+
+
+def test_evaluate_finds_the_tokenized_reference_of_the_test_split(
+    checkpoint: Path, corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The default test set brings its tokenized reference (tok/ under data.dir) when there is one; --ref does not."""
+    pytest.importorskip("sacremoses")
+    data = tmp_path / "data"
+    data.mkdir()
+    for side in ("src", "tgt"):
+        shutil.copy(corpus / f"test.{side}", data / f"test.{side}")
+    loaded = load_checkpoint(checkpoint)
+    config = replace(loaded.config, data=replace(loaded.config.data, dir=str(data)))
+    save_checkpoint(tmp_path / "moved.pt", loaded.model, loaded.tokenizer, config)
+    tok = tokenized_reference(data, "test", "tgt")
+    tok.parent.mkdir()
+    shutil.copy(corpus / "test.tgt", tok)  # lower-case words without punctuation: tokenized already
+    evaluate = ["evaluate", "-c", str(tmp_path / "moved.pt"), "decode.strategy=greedy"]
+
+    assert main(evaluate) == 0
+    lines = capsys.readouterr().out.splitlines()
+    report = {name: rest.split()[0] for name, rest in (line.split(" = ") for line in lines)}
+    assert set(report) == {"BLEU", "chrF", "TER", "BLEU (lc, Moses-tokenized)"}
+    assert report["BLEU (lc, Moses-tokenized)"] == report["BLEU"]
+    assert main([*evaluate, "--ref", str(data / "test.tgt")]) == 0
+    assert "Moses" not in capsys.readouterr().out
 
 
 def test_from_checkpoint_overrides_are_validated(trained_run: Path) -> None:
