@@ -4,7 +4,7 @@
 `--compare attention` times PyTorch's math attention kernel, which training
 asks for on CPU (`seq2seq.model.training_kernel`), against its flash kernel,
 which `scaled_dot_product_attention` picks by itself and decoding keeps.
-The no-cache baseline (`seq2seq.search.uncached_search`) runs the same search
+The no-cache baseline (`seq2seq.uncached.uncached_search`) runs the same search
 code but recomputes the decoder over the whole prefix at every step. The
 machine's speed drifts (it may be shared), so the runs are interleaved, each
 round in mirrored order (A B B A), and the setting/baseline ratios are taken
@@ -25,8 +25,9 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.nn.attention import SDPBackend
@@ -36,8 +37,9 @@ sys.path.insert(0, str(ROOT))
 
 from seq2seq.data import read_lines  # noqa: E402
 from seq2seq.model import kernel_scope  # noqa: E402
-from seq2seq.search import SearchFn, search, uncached_search  # noqa: E402
-from seq2seq.translate import Translation, Translator  # noqa: E402
+from seq2seq.search import search  # noqa: E402
+from seq2seq.translate import SearchFn, Translation, Translator  # noqa: E402
+from seq2seq.uncached import uncached_search  # noqa: E402
 
 # --compare -> the setting, then its baseline: (name, search function, attention kernel; None: PyTorch's choice)
 Setting = tuple[str, SearchFn, SDPBackend | None]
@@ -84,7 +86,9 @@ def ensure_checkpoint(path: Path, minutes: float) -> None:
     if minutes <= 0:
         sys.exit(f"bench_decode: no checkpoint at {path}; give --checkpoint or --train-minutes")
     command = [
-        str(ROOT / ".venv/bin/seq2seq"),
+        sys.executable,
+        "-m",
+        "seq2seq",
         "train",
         "--config",
         str(ROOT / "configs/quickstart.yaml"),
@@ -99,10 +103,11 @@ def ensure_checkpoint(path: Path, minutes: float) -> None:
 def timed(
     translator: Translator, lines: list[str], strategy: str, fn: SearchFn, kernel: SDPBackend | None, name: str
 ) -> Run:
+    translator = translator.with_decode(strategy=strategy)
     translator.search_fn = fn
     start = time.perf_counter()
     with kernel_scope(kernel):
-        results: list[Translation] = translator.translate_full(lines, strategy)
+        results: list[Translation] = translator.translate_full(lines)
     seconds = time.perf_counter() - start
     outputs = [t.hypotheses[0].tokens if t.hypotheses else [] for t in results]
     return Run(name, seconds, len(lines), sum(len(o) for o in outputs), outputs)
@@ -113,12 +118,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     checkpoint = Path(args.checkpoint)
     ensure_checkpoint(checkpoint, args.train_minutes)
-    translator = Translator.from_checkpoint(checkpoint, beam_size=args.beam, nbest=1)
+    settings: dict[str, Any] = {"beam_size": args.beam, "nbest": 1}
     if args.max_tokens:
-        translator.decode = replace(translator.decode, max_tokens=args.max_tokens)
+        settings["max_tokens"] = args.max_tokens
     if args.fixed_length:
         L = args.fixed_length
-        translator.decode = replace(translator.decode, min_len=L, max_len=L, max_len_a=0.0, max_len_b=L)
+        settings.update(min_len=L, max_len=L, max_len_a=0.0, max_len_b=L)
+    translator = Translator.from_checkpoint(checkpoint, **settings)
     lines = [line for line in read_lines(args.src) if line.strip()][: args.n]
     modes = args.modes.split(",")
     setting, baseline = COMPARISONS[args.compare]

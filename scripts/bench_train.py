@@ -26,7 +26,7 @@ numbers only within one run.
 What it found on the development machine (AMD EPYC, 2 cores, torch 2.13 CPU,
 avx512_bf16 but no AMX; `--rounds 5 --steps 2`, batches of 3,686 target
 tokens, medians) decides `train.precision=auto` on CPU, see
-`seq2seq.training.device.resolve_precision`:
+`seq2seq.device.resolve_precision`:
 
     matmul 4096x512 @ 512x2048: fp32 154 GFLOP/s, bf16 822 GFLOP/s (5.33x)
     quickstart (7.6M): fp32 1,994 tok/s, bf16 3,305 tok/s, ratio 1.66 (1.50-1.77)

@@ -10,7 +10,6 @@ columns; beam 1 is greedy search, which has no length penalty.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 import torch
 
@@ -29,22 +28,23 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    translator = Translator.from_checkpoint(args.checkpoint)
-    data = translator.config.data
+    translator = Translator.from_checkpoint(args.checkpoint, strategy="beam", nbest=1)  # whatever it was trained with
+    data = translator.data
+    assert data is not None  # loaded from a checkpoint
     src = read_lines(find_file(data.dir, args.split, data.src_lang))
     refs = read_lines(find_file(data.dir, args.split, data.tgt_lang))
     print(f"{args.checkpoint}, {args.split}: sacreBLEU by beam size (rows) and length penalty (columns)\n")
     print("| beam | " + " | ".join(f"alpha {a}" for a in args.alphas) + " |")
     print("|---" * (len(args.alphas) + 1) + "|")
     for beam in args.beams:
-        cells = []
+        cells: list[str] = []
         for alpha in args.alphas:
             if beam == 1 and cells:  # greedy ignores the length penalty
                 cells.append(cells[0])
                 continue
-            # replace() re-runs DecodeConfig's checks, so a bad --beams value fails with its message
-            translator.decode = dataclasses.replace(translator.decode, beam_size=beam, length_penalty=alpha)
-            cells.append(f"{metrics.bleu(translator.translate(src), refs).score:.2f}")
+            # with_decode re-runs DecodeConfig's checks, so a bad --beams value fails with its message
+            hyps = translator.with_decode(beam_size=beam, length_penalty=alpha).translate(src)
+            cells.append(f"{metrics.bleu(hyps, refs).score:.2f}")
         print(f"| {beam} | " + " | ".join(cells) + " |", flush=True)
 
 

@@ -38,6 +38,7 @@ import torch
 from seq2seq import checkpoint, metrics
 from seq2seq.config import ExperimentConfig, load_config
 from seq2seq.data import find_file, read_lines
+from seq2seq.download import tokenized_reference
 from seq2seq.run_dir import RunDirectory
 from seq2seq.translate import Translator
 
@@ -75,20 +76,25 @@ def translate(checkpoint: Path, cfg: ExperimentConfig, split: str) -> list[str]:
 
 
 def test_scores(hyps: list[str], refs: list[str], cfg: ExperimentConfig) -> dict:
+    """The scores of `seq2seq evaluate`, the tokenized BLEU included when the dataset has its references."""
     d = cfg.data
-    bleu = metrics.bleu(hyps, refs, n_bootstrap=BOOTSTRAP)
+    tok_path = tokenized_reference(d.dir, d.test, d.tgt_lang)
+    tok_refs = read_lines(tok_path) if tok_path.is_file() else None
+    report = metrics.report(hyps, refs, n_bootstrap=BOOTSTRAP, tokenized_references=tok_refs, lang=d.tgt_lang)
     scores = {
-        "sacrebleu": round(bleu.score, 2),
-        "sacrebleu_ci95": round(float(bleu.ci95), 2),
-        "chrf": round(metrics.chrf(hyps, refs).score, 2),
-        "ter": round(metrics.ter(hyps, refs).score, 2),
-        "signature": bleu.signature,
+        **_with_interval("sacrebleu", report.bleu),
+        "chrf": round(report.chrf.score, 2),
+        "ter": round(report.ter.score, 2),
+        "signature": report.bleu.signature,
     }
-    tok_path = Path(d.dir) / "tok" / f"{d.test}.lc.norm.tok.{d.tgt_lang}"
-    if tok_path.is_file():
-        tok = metrics.tokenized_bleu(hyps, read_lines(tok_path), d.tgt_lang, n_bootstrap=BOOTSTRAP)
-        scores["tok_lc_bleu"], scores["tok_lc_bleu_ci95"] = round(tok.score, 2), round(float(tok.ci95), 2)
+    if report.tokenized_bleu is not None:
+        scores.update(_with_interval("tok_lc_bleu", report.tokenized_bleu))
     return scores
+
+
+def _with_interval(key: str, score: metrics.Score) -> dict[str, float]:
+    assert score.ci95 is not None  # BOOTSTRAP > 1
+    return {key: round(score.score, 2), f"{key}_ci95": round(score.ci95, 2)}
 
 
 def examples(src: list[str], refs: list[str], hyps: list[str], every: int = 200) -> list[dict[str, str]]:

@@ -35,7 +35,8 @@ from typing import Any
 
 import torch
 
-from seq2seq.config import ConfigError, ExperimentConfig, UserError, from_dict, to_dict
+from seq2seq.config import ExperimentConfig, from_dict, to_dict
+from seq2seq.errors import CheckpointError, ConfigError
 from seq2seq.model import Seq2SeqTransformer, build_model
 from seq2seq.tokenizer import Tokenizer
 
@@ -45,10 +46,6 @@ _FORMAT_V1 = "seq2seq-checkpoint-1"
 LAST, BEST = "checkpoint_last.pt", "checkpoint_best.pt"
 MIN_TORCH = (2, 6)  # weights_only=True is no safe boundary before 2.6 (CVE-2025-32434)
 _TMP_SUFFIX = ".tmp"
-
-
-class CheckpointError(UserError):
-    """An unusable checkpoint, described in one line for the user."""
 
 
 @dataclass
@@ -67,7 +64,7 @@ class Progress:
     @classmethod
     def from_dict(cls, raw: Any, source: str) -> Progress:
         _expect(raw, dict, f"{source}: train_state.progress")
-        kinds = {
+        kinds: dict[str, type | tuple[type, ...]] = {
             "step": int,
             "epoch": int,
             "batch_in_epoch": int,

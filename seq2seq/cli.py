@@ -16,11 +16,12 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from seq2seq.config import ConfigError, UserError, apply_overrides, load_config
-from seq2seq.data import DataError, read_lines
+from seq2seq.config import apply_overrides, load_config
+from seq2seq.data import read_lines
+from seq2seq.errors import ConfigError, DataError, UserError
 
 if TYPE_CHECKING:
-    from seq2seq.config import ExperimentConfig
+    from seq2seq.config import DataConfig
     from seq2seq.translate import Translation, Translator
 
 log = logging.getLogger("seq2seq")
@@ -84,7 +85,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--src", help="source file (default: the config's test split)")
     p.add_argument("--ref", help="reference file (default: the config's test split)")
     p.add_argument("--lowercase", action="store_true", help="also report lower-cased BLEU")
-    p.add_argument("--tok-ref", help="tokenized lower-cased reference (Multi30k lc.norm.tok) for tokenized BLEU")
+    p.add_argument(
+        "--tok-ref",
+        help="tokenized lower-cased reference (Multi30k lc.norm.tok) for tokenized BLEU "
+        "(default: the test split's under data.dir/tok/, when it exists and --ref is not given)",
+    )
     p.add_argument(
         "--bootstrap",
         type=int,
@@ -162,7 +167,9 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _translator(args: argparse.Namespace) -> Translator:
-    from seq2seq.training.device import resolve_device
+    """The checkpoint's model with its stored decode settings, changed by the command line's decode.* overrides."""
+    from seq2seq.checkpoint import load_checkpoint
+    from seq2seq.device import resolve_device
     from seq2seq.translate import Translator
 
     bad = [o for o in args.overrides if not o.startswith("decode.")]
@@ -174,11 +181,10 @@ def _translator(args: argparse.Namespace) -> Translator:
         import torch
 
         torch.set_num_threads(args.threads)
-    translator = Translator.from_checkpoint(args.checkpoint, resolve_device(args.device))
-    assert translator.config is not None
-    translator.config = apply_overrides(translator.config, args.overrides)
-    translator.decode = translator.config.decode
-    return translator
+    device = resolve_device(args.device, option="--device")
+    loaded = load_checkpoint(args.checkpoint, device)
+    config = apply_overrides(loaded.config, args.overrides)  # checked like a config file, with the model's limits
+    return Translator(loaded.model, loaded.tokenizer, config.decode, device, config.data)
 
 
 def _translate(args: argparse.Namespace) -> int:
@@ -253,39 +259,54 @@ def _evaluate(args: argparse.Namespace) -> int:
         raise ConfigError("evaluate needs --checkpoint or --hypotheses")
     if args.checkpoint and args.hypotheses:
         raise ConfigError("evaluate takes --checkpoint or --hypotheses, not both")
+    if args.bootstrap < 1:
+        raise ConfigError(f"--bootstrap must be at least 1, got {args.bootstrap}")
+    tok_ref: Path | None = Path(args.tok_ref) if args.tok_ref else None
     if args.hypotheses:
         if not args.ref:
             raise ConfigError("evaluate --hypotheses needs --ref")
         hyps, refs = read_lines(args.hypotheses), read_lines(args.ref)
+        lang = tok_ref.suffix.lstrip(".") if tok_ref else ""  # e.g. test_2016_flickr.lc.norm.tok.en
     else:
         translator = _translator(args)
-        src, refs = _test_set(translator.config, args.src, args.ref)
+        assert translator.data is not None  # loaded from a checkpoint
+        src, refs = _test_set(translator.data, args.src, args.ref)
+        lang = translator.data.tgt_lang
+        if tok_ref is None and args.ref is None:
+            tok_ref = _default_tok_ref(translator.data)
         hyps = translator.translate(src)
     if len(hyps) != len(refs):
         raise DataError(f"{len(hyps)} hypotheses but {len(refs)} references")
     if args.save:
         Path(args.save).write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
-    if args.bootstrap < 1:
-        raise ConfigError(f"--bootstrap must be at least 1, got {args.bootstrap}")
-    n = args.bootstrap
-    scores = [metrics.bleu(hyps, refs, n_bootstrap=n), metrics.chrf(hyps, refs), metrics.ter(hyps, refs)]
-    if args.lowercase:
-        scores.append(metrics.bleu(hyps, refs, lowercase=True, n_bootstrap=n))
-    if args.tok_ref:
-        lang = translator.config.data.tgt_lang if not args.hypotheses else Path(args.tok_ref).suffix.lstrip(".")
-        scores.append(metrics.tokenized_bleu(hyps, read_lines(args.tok_ref), lang, n_bootstrap=n))
-    for score in scores:
+    tok_refs = read_lines(tok_ref) if tok_ref else None
+    report = metrics.report(hyps, refs, args.bootstrap, args.lowercase, tok_refs, lang)
+    for score in report.scores():
         print(score)
     return 0
 
 
-def _test_set(cfg: ExperimentConfig, src: str | None, ref: str | None) -> tuple[list[str], list[str]]:
+def _test_set(data: DataConfig, src: str | None, ref: str | None) -> tuple[list[str], list[str]]:
     from seq2seq.data import find_file
 
-    d = cfg.data
-    src_path = src or find_file(d.dir, d.test, d.src_lang)
-    ref_path = ref or find_file(d.dir, d.test, d.tgt_lang)
+    src_path = src or find_file(data.dir, data.test, data.src_lang)
+    ref_path = ref or find_file(data.dir, data.test, data.tgt_lang)
     return read_lines(src_path), read_lines(ref_path)
+
+
+def _default_tok_ref(data: DataConfig) -> Path | None:
+    """The test split's tokenized reference, when the dataset has one and sacremoses can use it."""
+    import importlib.util
+
+    from seq2seq.download import tokenized_reference
+
+    path = tokenized_reference(data.dir, data.test, data.tgt_lang)
+    if not path.is_file():
+        return None
+    if importlib.util.find_spec("sacremoses") is None:
+        log.info("no tokenized BLEU against %s: it needs sacremoses (pip install 'seq2seq[recipes]')", path)
+        return None
+    return path
 
 
 def _average(args: argparse.Namespace) -> int:

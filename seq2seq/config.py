@@ -19,16 +19,10 @@ from typing import Any, Literal
 
 import yaml
 
-
-class UserError(ValueError):
-    """A problem with the user's input (config, data, checkpoint...), told in one line, not a traceback."""
+from seq2seq.errors import ConfigError
 
 
-class ConfigError(UserError):
-    """A configuration problem, described in one line for the user."""
-
-
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     """Where the parallel text lives and how it is tokenized.
 
@@ -64,7 +58,7 @@ class DataConfig:
         _require(self.src_lang != self.tgt_lang, "data.tgt_lang", "must differ from data.src_lang")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     """Shape of the Transformer (Vaswani et al., 2017)."""
 
@@ -100,7 +94,7 @@ class ModelConfig:
         _require(self.max_positions >= 8, "model.max_positions", "must be at least 8")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     """Optimisation, checkpointing and validation."""
 
@@ -166,7 +160,7 @@ class TrainConfig:
         _require(self.max_bad_steps >= 1, "train.max_bad_steps", "must be at least 1")
 
 
-@dataclass
+@dataclass(frozen=True)
 class DecodeConfig:
     """Search settings for `translate`, `evaluate` and validation BLEU."""
 
@@ -208,7 +202,7 @@ class DecodeConfig:
         _require(self.max_input_len >= 0, "decode.max_input_len", "must be >= 0")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ExperimentConfig:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -324,7 +318,7 @@ def _build(cls: type, raw: Any, source: str, prefix: str) -> Any:
             hint = f" (did you mean '{prefix}{close[0]}'?)" if close else f" (valid keys: {', '.join(names)})"
             raise ConfigError(f"{source}: unknown key '{prefix}{key}'{hint}")
         kind = hints[key]
-        if dataclasses.is_dataclass(kind):
+        if isinstance(kind, type) and dataclasses.is_dataclass(kind):  # a section
             kwargs[key] = _build(kind, value, source, prefix=f"{prefix}{key}.")
         else:
             kwargs[key] = _convert(value, kind, f"{prefix}{key}", source)

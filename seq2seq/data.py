@@ -11,14 +11,11 @@ from pathlib import Path
 
 import torch
 
-from seq2seq.config import UserError
-from seq2seq.tokenizer import BOS, EOS, PAD, Sampling, Tokenizer
+from seq2seq.errors import DataError
+from seq2seq.tokenizer import Sampling, Tokenizer
+from seq2seq.vocab import BOS, EOS, PAD
 
 log = logging.getLogger(__name__)
-
-
-class DataError(UserError):
-    """A problem with the input text, described in one line for the user."""
 
 
 def find_file(directory: str | Path, split: str, lang: str) -> Path:

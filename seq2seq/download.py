@@ -16,7 +16,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from seq2seq.config import UserError
+from seq2seq.errors import DownloadError
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +27,9 @@ LANGUAGES = ("en", "de", "fr", "cs")
 TOKENIZED_SPLITS = ("val", "test_2016_flickr")
 
 
-class DownloadError(UserError):
-    """A file could not be fetched or is not what it should be."""
+def tokenized_reference(directory: str | Path, split: str, lang: str) -> Path:
+    """Where the dataset's lower-cased Moses-tokenized reference of a split lives (it may not exist)."""
+    return Path(directory) / "tok" / f"{split}.lc.norm.tok.{lang}"
 
 
 def download_multi30k(dest: str | Path, langs: tuple[str, ...], mirror: str | Path | None = None) -> list[Path]:
@@ -53,8 +54,8 @@ def download_multi30k(dest: str | Path, langs: tuple[str, ...], mirror: str | Pa
             fetched.append(path)
     for split in TOKENIZED_SPLITS:
         for lang in langs:
-            name = f"tok/{split}.lc.norm.tok.{lang}"
-            path = dest / name
+            path = tokenized_reference(dest, split, lang)
+            name = path.relative_to(dest).as_posix()
             if not path.is_file():
                 try:
                     _fetch(name, path, mirror)

@@ -4,6 +4,8 @@
 numbers (Moses-normalized, Moses-tokenized, lower-cased text scored without
 further tokenization) so that our scores can be compared with theirs; the
 headline score stays sacreBLEU's default (cased, detokenized, 13a).
+`report` is the one set of scores `seq2seq evaluate` prints and
+scripts/run_recipe.py records.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 
 import sacrebleu
 
-from seq2seq.config import UserError
+from seq2seq.errors import UserError
 
 
 @dataclass
@@ -78,3 +80,42 @@ def tokenized_bleu(
     metric = sacrebleu.BLEU(tokenize="none", force=True)
     hyps = moses_lowercase_tokenize(hypotheses, lang)
     return _bleu_score("BLEU (lc, Moses-tokenized)", metric, hyps, list(tokenized_references), n_bootstrap)
+
+
+@dataclass
+class Report:
+    bleu: Score
+    chrf: Score
+    ter: Score
+    lowercase_bleu: Score | None = None
+    tokenized_bleu: Score | None = None
+
+    def scores(self) -> list[Score]:
+        """The scores computed, in the order `seq2seq evaluate` prints them."""
+        every = (self.bleu, self.chrf, self.ter, self.lowercase_bleu, self.tokenized_bleu)
+        return [score for score in every if score is not None]
+
+
+def report(
+    hypotheses: Sequence[str],
+    references: Sequence[str],
+    n_bootstrap: int = 1,
+    lowercase: bool = False,
+    tokenized_references: Sequence[str] | None = None,
+    lang: str = "",
+) -> Report:
+    """BLEU, chrF and TER; lower-cased BLEU if asked; tokenized BLEU (in language `lang`) given its references.
+
+    Each BLEU gets a 95% bootstrap interval from `n_bootstrap` resampled test sets when n_bootstrap > 1.
+    """
+    if n_bootstrap < 1:
+        raise UserError(f"n_bootstrap must be at least 1, got {n_bootstrap}")
+    return Report(
+        bleu(hypotheses, references, n_bootstrap=n_bootstrap),
+        chrf(hypotheses, references),
+        ter(hypotheses, references),
+        bleu(hypotheses, references, lowercase=True, n_bootstrap=n_bootstrap) if lowercase else None,
+        None
+        if tokenized_references is None
+        else tokenized_bleu(hypotheses, tokenized_references, lang, n_bootstrap=n_bootstrap),
+    )

@@ -26,13 +26,9 @@ from pathlib import Path
 from typing import IO
 
 from seq2seq import checkpoint as ckpt
-from seq2seq.config import UserError
+from seq2seq.errors import RunDirError
 
 log = logging.getLogger("seq2seq.train")
-
-
-class RunDirError(UserError):
-    """A run directory that cannot be used as asked, described in one line."""
 
 
 def new_run_id() -> str:

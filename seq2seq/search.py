@@ -34,9 +34,6 @@ Batch invariance. Every operation is per sentence (per row, or per group of K
 rows), and a sampled sentence draws from its own random stream, seeded by
 decode.seed and its source tokens, so a translation does not depend on which
 sentences share its batch (up to floating-point rounding in the model's matmuls).
-
-`UncachedModel` is a reference and a benchmark baseline: the same API with no
-key/value cache, recomputing the decoder over the whole prefix at every step.
 """
 
 from __future__ import annotations
@@ -51,9 +48,7 @@ import torch
 from torch import Tensor
 
 from seq2seq.config import DecodeConfig
-from seq2seq.model import Seq2SeqTransformer
-from seq2seq.model.attention import attention_mask
-from seq2seq.tokenizer import BOS, EOS, PAD, UNK
+from seq2seq.vocab import BOS, EOS, PAD, UNK
 
 NEG_INF = float("-inf")
 
@@ -319,86 +314,18 @@ def collect_finished(
             hyps.append(make_hypothesis(history[row, 1:].tolist() + [EOS], token_scores, alpha))
 
 
-SearchFn = Callable[..., list[list[Hypothesis]]]
-
-
 def search(
-    model: IncrementalModel,
-    src: Tensor,
-    src_pad_mask: Tensor,
-    cfg: DecodeConfig,
-    limit: int,
-    strategy: str | None = None,
+    model: IncrementalModel, src: Tensor, src_pad_mask: Tensor, cfg: DecodeConfig, limit: int
 ) -> list[list[Hypothesis]]:
-    """Hypotheses for each sentence of src (B, S), best first; `strategy` defaults to cfg.strategy.
+    """Hypotheses for each sentence of src (B, S) with `cfg.strategy`, best first.
 
     `limit` caps the tokens before EOS (the model's positions minus one).
     """
-    strategy = strategy or cfg.strategy
-    if strategy == "beam":
+    if cfg.strategy == "beam":
         return beam_search(model, src, src_pad_mask, cfg, limit)
-    if strategy == "greedy":
+    if cfg.strategy == "greedy":
         return sequential_search(model, src, src_pad_mask, cfg, pick_greedy, limit)
-    if strategy == "sample":
+    if cfg.strategy == "sample":
         pick = make_sampler(cfg, src, src_pad_mask, min(cfg.max_len, limit) + 1)
         return sequential_search(model, src, src_pad_mask, cfg, pick, limit)
-    raise ValueError(f"unknown decoding strategy {strategy!r}: use beam, greedy or sample")
-
-
-# The no-cache reference and benchmark baseline.
-
-
-class PrefixState:
-    """What an uncached decoder carries between steps: the encoder output and the whole prefix."""
-
-    def __init__(self, memory: Tensor, src_pad_mask: Tensor) -> None:
-        self.memory = memory  # (N, S, D)
-        self.memory_mask = attention_mask(src_pad_mask)  # (N, 1, 1, S)
-        self.tokens = torch.zeros(memory.shape[0], 0, dtype=torch.long, device=memory.device)  # (N, t)
-
-    def reorder(self, index: Tensor) -> None:
-        self.tokens = self.tokens.index_select(0, index)
-
-    def select(self, index: Tensor) -> None:
-        self.reorder(index)
-        self.memory = self.memory.index_select(0, index)
-        self.memory_mask = self.memory_mask.index_select(0, index)
-
-
-class UncachedModel:
-    """The incremental API without a key/value cache: each step reruns the decoder over the whole prefix.
-
-    A reference for testing the cache (same tokens) and the baseline of
-    scripts/bench_decode.py. The encoder still runs once per batch; only the
-    last position is projected to the vocabulary, so the baseline pays just
-    for the recomputed decoder layers.
-    """
-
-    def __init__(self, model: Seq2SeqTransformer) -> None:
-        self.model = model
-
-    def encode(self, src: Tensor, src_pad_mask: Tensor) -> Tensor:
-        return self.model.encode(src, src_pad_mask)
-
-    def init_cache(self, memory: Tensor, src_pad_mask: Tensor) -> PrefixState:
-        return PrefixState(memory, src_pad_mask)
-
-    def decode_step(self, tokens: Tensor, state: PrefixState) -> Tensor:
-        state.tokens = torch.cat([state.tokens, tokens], dim=1)  # (N, t)
-        decoder = self.model.decoder
-        x = decoder.embedding(state.tokens)  # (N, t, D)
-        for layer in decoder.layers:
-            x = layer(x, state.memory, state.memory_mask)
-        return decoder.output(decoder.final_norm(x[:, -1]))  # (N, V)
-
-
-def uncached_search(
-    model: Seq2SeqTransformer,
-    src: Tensor,
-    src_pad_mask: Tensor,
-    cfg: DecodeConfig,
-    limit: int,
-    strategy: str | None = None,
-) -> list[list[Hypothesis]]:
-    """`search` without the key/value cache (reference and baseline only: quadratic in the length)."""
-    return search(UncachedModel(model), src, src_pad_mask, cfg, limit, strategy)
+    raise ValueError(f"unknown decoding strategy {cfg.strategy!r}: use beam, greedy or sample")

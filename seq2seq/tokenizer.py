@@ -13,12 +13,8 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from seq2seq.config import UserError
-
-PAD = 0
-UNK = 1
-BOS = 2
-EOS = 3
+from seq2seq.errors import UserError
+from seq2seq.vocab import BOS, EOS, PAD, UNK
 
 
 @dataclass(frozen=True)

@@ -9,21 +9,28 @@ truncated with a warning; empty lines translate to empty lines.
 
 from __future__ import annotations
 
+import copy
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import Tensor
 
 from seq2seq.checkpoint import load_checkpoint
-from seq2seq.config import DecodeConfig, ExperimentConfig, from_dict, to_dict
+from seq2seq.config import DataConfig, DecodeConfig, from_dict, to_dict
 from seq2seq.data import make_batches, pad
 from seq2seq.model import Seq2SeqTransformer
-from seq2seq.search import Hypothesis, SearchFn, search
-from seq2seq.tokenizer import EOS, PAD, Tokenizer
+from seq2seq.search import Hypothesis, search
+from seq2seq.tokenizer import Tokenizer
+from seq2seq.vocab import EOS, PAD
 
 log = logging.getLogger(__name__)
+
+SearchFn = Callable[[Seq2SeqTransformer, Tensor, Tensor, DecodeConfig, int], list[list[Hypothesis]]]
+"""(model, src (B, S), src_pad_mask (B, S), settings, limit) -> hypotheses per sentence, as `search.search`."""
 
 
 @dataclass
@@ -44,6 +51,10 @@ class Translator:
     >>> translator = Translator.from_checkpoint("runs/quickstart/checkpoint_best.pt")
     >>> translator.translate(["Ein Hund läuft im Schnee."])
     ['A dog is running in the snow.']
+
+    `decode` is the one place that holds the search settings. `data`, when the
+    model comes from a checkpoint, is its experiment's data section (languages
+    and splits): `seq2seq evaluate` finds its default test set there.
     """
 
     def __init__(
@@ -52,32 +63,36 @@ class Translator:
         tokenizer: Tokenizer,
         decode: DecodeConfig,
         device: str | torch.device = "cpu",
-        config: ExperimentConfig | None = None,
+        data: DataConfig | None = None,
         search_fn: SearchFn = search,
     ) -> None:
-        self.config = config  # the experiment the model came from, when loaded from a checkpoint
         self.model = model
         self.tokenizer = tokenizer
         self.decode = decode
         self.device = torch.device(device)
-        self.search_fn = search_fn  # scripts/bench_decode.py swaps in search.uncached_search
+        self.data = data
+        self.search_fn = search_fn  # scripts/bench_decode.py swaps in seq2seq.uncached.uncached_search
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path, device: str | torch.device = "cpu", **decode: object) -> Translator:
+    def from_checkpoint(cls, path: str | Path, device: str | torch.device = "cpu", **decode: Any) -> Translator:
         """Load a checkpoint; keyword arguments override its stored decode settings."""
         loaded = load_checkpoint(path, device)
         raw = to_dict(loaded.config)
         raw["decode"].update(decode)
         config = from_dict(raw, source="Translator.from_checkpoint")  # the same checks as a config file
-        return cls(loaded.model, loaded.tokenizer, config.decode, device, config)
+        return cls(loaded.model, loaded.tokenizer, config.decode, device, config.data)
 
-    def translate(self, lines: Sequence[str], strategy: str | None = None) -> list[str]:
+    def with_decode(self, **changes: Any) -> Translator:
+        """The same model and tokenizer with some decode settings changed (and checked again)."""
+        translator = copy.copy(self)
+        translator.decode = replace(self.decode, **changes)
+        return translator
+
+    def translate(self, lines: Sequence[str]) -> list[str]:
         """Best translation of each line."""
-        return [t.text for t in self.translate_full(lines, strategy)]
+        return [t.text for t in self.translate_full(lines)]
 
-    def translate_full(
-        self, lines: Sequence[str], strategy: str | None = None, first_line: int = 1
-    ) -> list[Translation]:
+    def translate_full(self, lines: Sequence[str], first_line: int = 1) -> list[Translation]:
         """Translations with n-best hypotheses, scores and token log-probabilities, in input order.
 
         `first_line` numbers the lines in warnings (for input read in chunks).
@@ -91,7 +106,7 @@ class Translator:
             for batch in make_batches([len(ids[i]) for i in todo], self.decode.max_tokens):
                 indices = [todo[j] for j in batch]
                 src = pad([ids[i] for i in indices]).to(self.device)
-                hyps = self.search_fn(self.model, src, src == PAD, self.decode, self.model.max_positions - 1, strategy)
+                hyps = self.search_fn(self.model, src, src == PAD, self.decode, self.model.max_positions - 1)
                 for i, h in zip(indices, hyps):
                     results[i] = h
         finally:

@@ -14,7 +14,6 @@ from conftest import TINY, reversal_pairs
 from seq2seq import checkpoint as ckpt
 from seq2seq.checkpoint import (
     Checkpoint,
-    CheckpointError,
     Progress,
     TrainingState,
     atomic_save,
@@ -24,6 +23,7 @@ from seq2seq.checkpoint import (
 )
 from seq2seq.cli import main
 from seq2seq.config import ExperimentConfig, load_config
+from seq2seq.errors import CheckpointError
 from seq2seq.model import Seq2SeqTransformer, build_model
 from seq2seq.run_dir import RunDirectory
 from seq2seq.tokenizer import Tokenizer, train_tokenizer

@@ -21,9 +21,11 @@ from seq2seq.checkpoint import Checkpoint, load_checkpoint
 from seq2seq.cli import main
 from seq2seq.config import load_config
 from seq2seq.data import pad
+from seq2seq.device import resolve_device
+from seq2seq.errors import UserError
 from seq2seq.model import build_model
-from seq2seq.tokenizer import BOS, EOS, PAD
 from seq2seq.translate import Translator
+from seq2seq.vocab import BOS, EOS, PAD
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SOURCES = ["red cat dog", "", "blue sun moon tree", "fish bird"]
@@ -62,7 +64,7 @@ def test_tiny_model_learns_to_reverse(trained_run: Path, corpus: Path) -> None:
     translator = Translator.from_checkpoint(trained_run / "checkpoint_best.pt")
     src, ref = lines(corpus / "test.src"), lines(corpus / "test.tgt")
     for strategy in ("beam", "greedy"):
-        hyps = translator.translate(src, strategy=strategy)
+        hyps = translator.with_decode(strategy=strategy).translate(src)
         exact = sum(h == r for h, r in zip(hyps, ref)) / len(ref)
         assert exact >= 0.9, (strategy, exact, [(h, r) for h, r in zip(hyps, ref) if h != r][:5])
 
@@ -240,6 +242,18 @@ def test_evaluate_bootstrap_adds_an_interval_and_keeps_the_score(
     assert 0 < float(resampled.split()[4]) < 20
     assert main(["evaluate", "--hypotheses", str(hyp), "--ref", str(ref), "--bootstrap", "0"]) == 2
     assert "--bootstrap must be at least 1" in one_error_line(capsys)
+    # refused before anything is decoded or saved
+    save = tmp_path / "saved.txt"
+    assert main(["evaluate", "-c", "missing.pt", "--bootstrap", "0", "--save", str(save)]) == 2
+    assert "--bootstrap must be at least 1" in one_error_line(capsys) and not save.exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_device_error_names_the_option_the_user_gave(trained_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["translate", "-c", str(trained_run / "checkpoint_best.pt"), "--device", "cuda"]) == 1
+    assert "--device cuda but CUDA is not available" in one_error_line(capsys)
+    with pytest.raises(UserError, match=r"^train\.device=cuda but CUDA is not available"):
+        resolve_device("cuda")
 
 
 # Bad input to train.

@@ -10,7 +10,6 @@ import pytest
 from conftest import single_thread_env
 
 from seq2seq.config import (
-    ConfigError,
     ExperimentConfig,
     apply_overrides,
     from_dict,
@@ -18,6 +17,7 @@ from seq2seq.config import (
     save_config,
     to_dict,
 )
+from seq2seq.errors import ConfigError
 from seq2seq.model import build_model
 
 ROOT = Path(__file__).resolve().parents[1]

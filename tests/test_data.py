@@ -12,7 +12,6 @@ import torch
 from conftest import reversal_pairs
 
 from seq2seq.data import (
-    DataError,
     EncodedCorpus,
     collate,
     encode_corpus,
@@ -21,7 +20,9 @@ from seq2seq.data import (
     read_lines,
     read_parallel,
 )
-from seq2seq.tokenizer import BOS, EOS, PAD, UNK, Sampling, Tokenizer, train_tokenizer
+from seq2seq.errors import DataError
+from seq2seq.tokenizer import Sampling, Tokenizer, train_tokenizer
+from seq2seq.vocab import BOS, EOS, PAD, UNK
 
 LINES = ["ein Hund", "", "zwei Katzen  laufen", "Grüße, 東京!"]
 

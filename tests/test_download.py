@@ -12,7 +12,8 @@ import pytest
 
 from seq2seq import download
 from seq2seq.cli import main
-from seq2seq.download import DownloadError, download_multi30k
+from seq2seq.download import download_multi30k
+from seq2seq.errors import DownloadError
 
 SMALL = {"train": 5, "val": 3, "test_2016_flickr": 2}
 

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from seq2seq.config import ModelConfig
 from seq2seq.data import Batch, pad
 from seq2seq.model import build_model
-from seq2seq.tokenizer import BOS, EOS, PAD
 from seq2seq.training.loss import batch_loss, label_smoothed_loss, symmetric_kl
+from seq2seq.vocab import BOS, EOS, PAD
 
 VOCAB = 24
 

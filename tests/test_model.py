@@ -16,7 +16,7 @@ from torch.nn.attention import SDPBackend
 from seq2seq.config import ModelConfig
 from seq2seq.model import Seq2SeqTransformer, build_model, kernel_scope, training_kernel
 from seq2seq.model.transformer import sinusoidal_table
-from seq2seq.tokenizer import BOS, EOS, PAD
+from seq2seq.vocab import BOS, EOS, PAD
 
 VOCAB = 23
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -27,9 +27,9 @@ from seq2seq.search import (
     max_lengths,
     restrict,
     search,
-    uncached_search,
 )
-from seq2seq.tokenizer import BOS, EOS, PAD, UNK
+from seq2seq.uncached import uncached_search
+from seq2seq.vocab import BOS, EOS, PAD, UNK
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: a second thread only adds waiting
 
@@ -111,7 +111,7 @@ Ranked = list[list[tuple[tuple[int, ...], float]]]  # per sentence: (tokens, sco
 
 def run(script: Script, decode: DecodeConfig, strategy: str, n_sentences: int = 1) -> Ranked:
     src, mask = sources(*[3] * n_sentences)
-    hyps = search(ScriptedModel(script), src, mask, decode, 100, strategy)
+    hyps = search(ScriptedModel(script), src, mask, replace(decode, strategy=strategy), 100)
     return [[(tuple(h.tokens), h.score) for h in sentence] for sentence in hyps]
 
 
@@ -217,7 +217,7 @@ def test_finished_hypotheses_never_grow() -> None:
     model = ScriptedModel(random_script(3, words=3, eos=0.4))
     src, mask = sources(3, 5, 4, 6)
     for strategy in ("beam", "greedy", "sample"):
-        search(model, src, mask, cfg(beam_size=4, nbest=4, max_len=6), 100, strategy)
+        search(model, src, mask, cfg(beam_size=4, nbest=4, max_len=6, strategy=strategy), 100)
     assert model.fed and all(EOS not in prefix for _, prefix in model.fed)
 
 
@@ -240,7 +240,7 @@ def test_tiny_vocabulary_with_everything_forbidden_still_finishes() -> None:
     decode = cfg(beam_size=3, nbest=3, min_len=2, no_repeat_ngram=1, suppress_unk=True)
     src, mask = sources(3)
     for strategy in ("beam", "greedy", "sample"):
-        (hyps,) = search(ScriptedModel(script, vocab=5), src, mask, decode, 100, strategy)
+        (hyps,) = search(ScriptedModel(script, vocab=5), src, mask, replace(decode, strategy=strategy), 100)
         assert [(h.tokens, h.token_scores) for h in hyps] == [([A, EOS], pytest.approx([math.log(0.7), math.log(0.2)]))]
 
 
@@ -252,12 +252,12 @@ def test_length_limits_per_sentence_and_absolute_cap() -> None:
     assert max_lengths(mask, decode, 100).tolist() == [3, 5, 5]
     assert max_lengths(mask, decode, 4).tolist() == [3, 4, 4]  # the model's positions cap it too
     for strategy in ("greedy", "beam"):
-        hyps = search(ScriptedModel(script), src, mask, decode, 100, strategy)
+        hyps = search(ScriptedModel(script), src, mask, replace(decode, strategy=strategy), 100)
         assert [len(h[0].tokens) for h in hyps] == [4, 6, 6]
         assert all(h[0].token_scores[-1] == pytest.approx(math.log(0.05)) for h in hyps)
     # A model that never ends: sampling stops at the limits too, the forced EOS counted as a cut (0).
     never_ends: Script = lambda sentence, prefix: {A: 0.5, B: 0.5}  # noqa: E731
-    hyps = search(ScriptedModel(never_ends), src, mask, decode, 100, "sample")
+    hyps = search(ScriptedModel(never_ends), src, mask, replace(decode, strategy="sample"), 100)
     assert [(len(h[0].tokens), h[0].token_scores[-1]) for h in hyps] == [(4, 0.0), (6, 0.0), (6, 0.0)]
 
 
@@ -272,13 +272,13 @@ def test_results_do_not_depend_on_the_batch() -> None:
     script = random_script(5, words=3, eos=0.25)
     src, mask = sources(3, 6, 4, 5, 3)
     for strategy in ("beam", "greedy", "sample"):
-        decode = cfg(beam_size=3, nbest=3, max_len=7, temperature=1.5)
-        together = search(ScriptedModel(script), src, mask, decode, 100, strategy)
+        decode = cfg(beam_size=3, nbest=3, max_len=7, temperature=1.5, strategy=strategy)
+        together = search(ScriptedModel(script), src, mask, decode, 100)
         for i in range(5):
             n = int((~mask[i]).sum())
-            alone = search(ScriptedModel(script), src[i : i + 1, :n], mask[i : i + 1, :n], decode, 100, strategy)
+            alone = search(ScriptedModel(script), src[i : i + 1, :n], mask[i : i + 1, :n], decode, 100)
             assert alone == [together[i]]
-        reordered = search(ScriptedModel(script), src.flip(0), mask.flip(0), decode, 100, strategy)
+        reordered = search(ScriptedModel(script), src.flip(0), mask.flip(0), decode, 100)
         assert reordered == together[::-1]
 
 
@@ -375,9 +375,9 @@ def tiny(trained_run: Path) -> tuple[torch.nn.Module, Tensor, Tensor]:
 @pytest.mark.parametrize("strategy", ["greedy", "beam"])
 def test_cached_decoding_equals_uncached(tiny: tuple[torch.nn.Module, Tensor, Tensor], strategy: str) -> None:
     model, src, mask = tiny
-    decode = DecodeConfig(beam_size=4, nbest=4)
-    cached = search(model, src, mask, decode, 100, strategy)
-    uncached = uncached_search(model, src, mask, decode, 100, strategy)
+    decode = DecodeConfig(strategy=strategy, beam_size=4, nbest=4)  # type: ignore[arg-type]
+    cached = search(model, src, mask, decode, 100)
+    uncached = uncached_search(model, src, mask, decode, 100)
     assert [[h.tokens for h in s] for s in cached] == [[h.tokens for h in s] for s in uncached]
     for c, u in zip(itertools.chain(*cached), itertools.chain(*uncached)):
         assert c.token_scores == pytest.approx(u.token_scores, abs=1e-4)
@@ -386,7 +386,7 @@ def test_cached_decoding_equals_uncached(tiny: tuple[torch.nn.Module, Tensor, Te
 def test_beam_size_one_is_greedy_on_the_tiny_model(tiny: tuple[torch.nn.Module, Tensor, Tensor]) -> None:
     model, src, mask = tiny
     decode = DecodeConfig(beam_size=1)
-    beam = search(model, src, mask, decode, 100, "beam")
-    greedy = search(model, src, mask, decode, 100, "greedy")
+    beam = search(model, src, mask, replace(decode, strategy="beam"), 100)
+    greedy = search(model, src, mask, replace(decode, strategy="greedy"), 100)
     assert [s[0].tokens for s in beam] == [s[0].tokens for s in greedy]
     assert [s[0].score for s in beam] == pytest.approx([s[0].score for s in greedy], abs=1e-4)

@@ -18,15 +18,16 @@ import torch
 from conftest import ROOT, TINY, tiny_overrides, write_corpus
 
 from seq2seq import checkpoint as ckpt
+from seq2seq import device as device_module
 from seq2seq.checkpoint import LAST, Progress
 from seq2seq.cli import main
 from seq2seq.config import ExperimentConfig, load_config
 from seq2seq.data import collate, encode_corpus
-from seq2seq.training import device as device_module
+from seq2seq.device import resolve_precision
+from seq2seq.errors import TrainingError
 from seq2seq.training import update as update_module
-from seq2seq.training.device import resolve_precision
 from seq2seq.training.optim import lr_at
-from seq2seq.training.trainer import Trainer, TrainingError, train
+from seq2seq.training.trainer import Trainer, train
 
 # Small batches of a small corpus: 14 batches an epoch, a few milliseconds an update. One thread: on a
 # busy machine, two OpenMP threads per process can make these tiny steps 20x slower.

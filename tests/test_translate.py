@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import queue
+import shutil
 import subprocess
 import sys
 import threading
@@ -14,8 +16,11 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, reversal_pairs, single_thread_env
 
+from seq2seq import checkpoint as ckpt
+from seq2seq.checkpoint import load_checkpoint
 from seq2seq.cli import main
-from seq2seq.config import ConfigError
+from seq2seq.download import tokenized_reference
+from seq2seq.errors import ConfigError
 from seq2seq.search import length_penalty
 from seq2seq.translate import Translation, Translator
 
@@ -43,17 +48,12 @@ def outputs(translations: list[Translation]) -> list[list[list[int]]]:
 @pytest.mark.parametrize("strategy", ["beam", "greedy", "sample"])
 def test_translations_do_not_depend_on_the_batch(translator: Translator, strategy: str) -> None:
     """Each sentence alone, then all together under several token budgets (batch sizes 1 to all)."""
-    alone = [translator.translate_full([line], strategy)[0] for line in LINES]
-    budget = translator.decode.max_tokens
-    try:
-        for max_tokens in (8, 40, 6000):
-            translator.decode.max_tokens = max_tokens
-            mixed = translator.translate_full(LINES, strategy)
-            assert outputs(mixed) == outputs(alone)
-            for a, m in zip(alone, mixed):
-                assert [h.score for h in m.hypotheses] == pytest.approx([h.score for h in a.hypotheses], abs=1e-4)
-    finally:
-        translator.decode.max_tokens = budget
+    alone = [translator.with_decode(strategy=strategy).translate_full([line])[0] for line in LINES]
+    for max_tokens in (8, 40, 6000):
+        mixed = translator.with_decode(strategy=strategy, max_tokens=max_tokens).translate_full(LINES)
+        assert outputs(mixed) == outputs(alone)
+        for a, m in zip(alone, mixed):
+            assert [h.score for h in m.hypotheses] == pytest.approx([h.score for h in a.hypotheses], abs=1e-4)
 
 
 def test_output_follows_input_order(translator: Translator) -> None:
@@ -72,13 +72,14 @@ def test_empty_lines_translate_to_empty_lines(translator: Translator) -> None:
 def test_long_input_is_truncated_with_a_warning(translator: Translator, caplog: pytest.LogCaptureFixture) -> None:
     long_line = " ".join(["green", "bird"] * 200)  # far beyond model.max_positions = 128
     with caplog.at_level(logging.WARNING, logger="seq2seq"):
-        out = translator.translate(["red cat", long_line], strategy="greedy")
+        out = translator.with_decode(strategy="greedy").translate(["red cat", long_line])
     assert out[0] == "cat red" and out[1]
     assert "input line 2 has" in caplog.text and "truncated" in caplog.text
     caplog.clear()
-    short = Translator(translator.model, translator.tokenizer, replace(translator.decode, max_input_len=4))
+    decode = replace(translator.decode, strategy="greedy", max_input_len=4)
+    short = Translator(translator.model, translator.tokenizer, decode)
     with caplog.at_level(logging.WARNING, logger="seq2seq"):
-        out = short.translate(["red cat", "red cat dog sun moon"], strategy="greedy")
+        out = short.translate(["red cat", "red cat dog sun moon"])
     assert out == ["cat red", "dog cat red"]  # 3 subwords + EOS: the start of the line is kept
     assert "input line 2 has 5 subwords; truncated to the first 3" in caplog.text
 
@@ -202,9 +203,46 @@ def test_evaluate_a_checkpoint(
     assert len(save.read_text(encoding="utf-8").splitlines()) == 100
 
 
+def test_evaluate_finds_the_tokenized_reference_of_the_test_split(
+    checkpoint: Path, corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The default test set brings its tokenized reference (tok/ under data.dir) when there is one; --ref does not."""
+    pytest.importorskip("sacremoses")
+    data = tmp_path / "data"
+    data.mkdir()
+    for side in ("src", "tgt"):
+        shutil.copy(corpus / f"test.{side}", data / f"test.{side}")
+    loaded = load_checkpoint(checkpoint)
+    config = replace(loaded.config, data=replace(loaded.config.data, dir=str(data)))
+    ckpt.save(tmp_path / "moved.pt", replace(loaded.checkpoint, config=config))
+    tok = tokenized_reference(data, "test", "tgt")
+    tok.parent.mkdir()
+    shutil.copy(corpus / "test.tgt", tok)  # lower-case words without punctuation: tokenized already
+    evaluate = ["evaluate", "-c", str(tmp_path / "moved.pt"), "decode.strategy=greedy"]
+
+    assert main(evaluate) == 0
+    lines = capsys.readouterr().out.splitlines()
+    report = {name: rest.split()[0] for name, rest in (line.split(" = ") for line in lines)}
+    assert set(report) == {"BLEU", "chrF", "TER", "BLEU (lc, Moses-tokenized)"}
+    assert report["BLEU (lc, Moses-tokenized)"] == report["BLEU"]
+    assert main([*evaluate, "--ref", str(data / "test.tgt")]) == 0
+    assert "Moses" not in capsys.readouterr().out
+
+
 def test_from_checkpoint_overrides_are_validated(trained_run: Path) -> None:
-    """Keyword overrides go through the same checks as a config file, and the stored config follows them."""
+    """Keyword overrides go through the same checks as a config file; the data section comes along for evaluate."""
     translator = Translator.from_checkpoint(trained_run / "checkpoint_best.pt", beam_size=3)
-    assert translator.decode.beam_size == 3 and translator.config.decode.beam_size == 3
+    assert translator.decode.beam_size == 3 and translator.data is not None and translator.data.tgt_lang == "tgt"
     with pytest.raises(ConfigError, match="decode.beam_size"):
         Translator.from_checkpoint(trained_run / "checkpoint_best.pt", beam_size="wide")
+
+
+def test_with_decode_leaves_the_original_alone(translator: Translator) -> None:
+    """Settings are frozen: a changed copy is checked again, and the translator it came from keeps its own."""
+    greedy = translator.with_decode(strategy="greedy", nbest=1)
+    assert greedy.decode.strategy == "greedy" and translator.decode.strategy == "beam"
+    assert greedy.model is translator.model
+    with pytest.raises(ConfigError, match="decode.beam_size must be at least 1"):
+        translator.with_decode(beam_size=0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        translator.decode.beam_size = 3  # type: ignore[misc]

@@ -9,6 +9,7 @@ Search code uses only `encode`, `init_cache`, `decode_step` and the cache's
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -16,8 +17,7 @@ from torch import Tensor, nn
 from seq2seq.config import ModelConfig
 from seq2seq.model.attention import DecoderCache, LayerCache, attention_mask
 from seq2seq.model.layers import DecoderLayer, EncoderLayer
-
-PAD = 0  # mirrors seq2seq.tokenizer.PAD; the model does not depend on the tokenizer
+from seq2seq.vocab import PAD
 
 
 def sinusoidal_table(n_positions: int, d_model: int) -> Tensor:
@@ -32,6 +32,8 @@ def sinusoidal_table(n_positions: int, d_model: int) -> Tensor:
 
 class Embedding(nn.Module):
     """Token embedding scaled by sqrt(D), plus a position encoding, then dropout."""
+
+    table: Tensor  # (max_positions, D) sinusoidal encodings: a buffer, not saved in checkpoints
 
     def __init__(self, tokens: nn.Embedding, d_model: int, max_positions: int, learned: bool, dropout: float) -> None:
         super().__init__()
@@ -95,7 +97,7 @@ class Decoder(nn.Module):
     def step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
         x = self.embedding(tokens, start=cache.step)  # (B, 1, D)
         for layer, layer_cache in zip(self.layers, cache.layers):
-            x = layer.step(x, layer_cache, cache.cross_mask)
+            x = cast(DecoderLayer, layer).step(x, layer_cache, cache.cross_mask)
         cache.step += 1
         return self.output(self.final_norm(x))[:, 0]  # (B, V)
 
@@ -123,7 +125,8 @@ class Seq2SeqTransformer(nn.Module):
 
     def init_cache(self, memory: Tensor, src_pad_mask: Tensor) -> DecoderCache:
         """Project the encoder output to each layer's cross-attention keys/values, once."""
-        layers = [LayerCache(*layer.cross_attn.project_memory(memory)) for layer in self.decoder.layers]
+        decoder_layers = [cast(DecoderLayer, layer) for layer in self.decoder.layers]
+        layers = [LayerCache(*layer.cross_attn.project_memory(memory)) for layer in decoder_layers]
         return DecoderCache(layers, attention_mask(src_pad_mask))
 
     def decode_step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:

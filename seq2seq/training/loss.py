@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from seq2seq.data import Batch
-from seq2seq.tokenizer import PAD
+from seq2seq.vocab import PAD
 
 
 class _SmoothedCrossEntropy(torch.autograd.Function):

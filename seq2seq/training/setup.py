@@ -12,11 +12,12 @@ from torch.nn.parallel import DistributedDataParallel
 from seq2seq.checkpoint import Checkpoint, Progress
 from seq2seq.config import DataConfig, ExperimentConfig, TrainConfig, to_dict
 from seq2seq.data import encode_corpus, read_parallel
+from seq2seq.device import resolve_device, resolve_precision
+from seq2seq.errors import TrainingError
 from seq2seq.model import Seq2SeqTransformer, build_model
 from seq2seq.run_dir import RunDirectory
 from seq2seq.tokenizer import Tokenizer, train_tokenizer
 from seq2seq.training import distributed as dist
-from seq2seq.training.device import TrainingError, resolve_device, resolve_precision
 from seq2seq.training.epochs import EpochSource
 from seq2seq.training.optim import build_optimizer
 from seq2seq.training.validation import Validator

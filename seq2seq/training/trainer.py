@@ -32,7 +32,6 @@ from seq2seq.run_dir import RunDirectory, new_run_id
 from seq2seq.tokenizer import Tokenizer
 from seq2seq.training import distributed as dist
 from seq2seq.training import monitor
-from seq2seq.training.device import TrainingError
 from seq2seq.training.optim import lr_schedule
 from seq2seq.training.setup import (
     build_training_model,
@@ -48,7 +47,7 @@ from seq2seq.training.signals import StopSignal
 from seq2seq.training.stopping import StopPolicy
 from seq2seq.training.update import UpdateStep
 
-__all__ = ["Trainer", "TrainingError", "train"]
+__all__ = ["Trainer", "train"]
 
 log = logging.getLogger("seq2seq.train")
 
@@ -190,7 +189,7 @@ class Trainer:
         improved = self.policy.record(p, self._scores()) if self.main else False
         p.validated_step = p.step
         if dist.world_size() > 1:
-            shared = [p.best, p.best_metric, p.bad_validations, improved]
+            shared: list[Any] = [p.best, p.best_metric, p.bad_validations, improved]
             torch.distributed.broadcast_object_list(shared, src=0)
             p.best, p.best_metric, p.bad_validations, improved = shared
         return bool(improved)

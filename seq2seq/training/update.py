@@ -23,9 +23,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from seq2seq.config import TrainConfig
 from seq2seq.data import Batch
+from seq2seq.device import autocast
+from seq2seq.errors import TrainingError
 from seq2seq.model import kernel_scope, training_kernel
 from seq2seq.training import distributed as dist
-from seq2seq.training.device import TrainingError, autocast
 from seq2seq.training.loss import batch_loss
 
 log = logging.getLogger("seq2seq.train")

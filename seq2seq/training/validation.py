@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
 from seq2seq import metrics
 from seq2seq.config import DecodeConfig
 from seq2seq.data import EncodedCorpus, collate, make_batches
+from seq2seq.device import autocast
 from seq2seq.model import Seq2SeqTransformer
 from seq2seq.tokenizer import Tokenizer
-from seq2seq.training.device import autocast
 from seq2seq.training.loss import batch_loss
 from seq2seq.translate import Translator
 
@@ -49,8 +50,12 @@ def loss_scores(
 def translations(
     model: Seq2SeqTransformer, tokenizer: Tokenizer, decode: DecodeConfig, sources: Sequence[str], device: torch.device
 ) -> list[str]:
-    """Detokenized translations with `decode.valid_strategy` (greedy or beam)."""
-    return Translator(model, tokenizer, decode, device).translate(sources, strategy=decode.valid_strategy)
+    """Detokenized translations with `decode.valid_strategy` (greedy or beam).
+
+    nbest=1: only the best hypothesis is scored, and decode.nbest was checked against decode.strategy's beam only.
+    """
+    valid = replace(decode, strategy=decode.valid_strategy, nbest=1)
+    return Translator(model, tokenizer, valid, device).translate(sources)
 
 
 def bleu(hypotheses: Sequence[str], references: Sequence[str]) -> float:

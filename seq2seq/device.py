@@ -1,4 +1,4 @@
-"""Device and numeric precision: resolved once, from the config, in one place."""
+"""Device and numeric precision: resolved once, in one place, for training and translation."""
 
 from __future__ import annotations
 
@@ -7,16 +7,14 @@ from typing import Any
 
 import torch
 
-from seq2seq.config import UserError
+from seq2seq.errors import TrainingError, UserError
 
 
-class TrainingError(UserError):
-    """A training run cannot go on; described in one line for the user."""
-
-
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, option: str = "train.device") -> torch.device:
+    """`auto`, `cpu` or `cuda` as a device; `option` is how the user spelled the setting, for the error."""
     if name == "cuda" and not torch.cuda.is_available():
-        raise TrainingError("train.device=cuda but CUDA is not available on this machine")
+        given = f"{option} {name}" if option.startswith("-") else f"{option}={name}"
+        raise UserError(f"{given} but CUDA is not available on this machine")
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)

@@ -1,0 +1,36 @@
+"""The errors a user can cause and fix: each is reported as one line, never a traceback.
+
+`seq2seq.cli` turns `ConfigError` into exit code 2 and every other `UserError`
+into exit code 1. They live here, below every other module, so that any module
+can raise them without importing the one that owns the topic.
+"""
+
+from __future__ import annotations
+
+
+class UserError(ValueError):
+    """A problem with the user's input (config, data, checkpoint...), told in one line."""
+
+
+class ConfigError(UserError):
+    """A configuration problem: a key, a value, a command-line option."""
+
+
+class DataError(UserError):
+    """A problem with the input text: a missing, unreadable or misaligned file."""
+
+
+class CheckpointError(UserError):
+    """An unusable checkpoint."""
+
+
+class TrainingError(UserError):
+    """A training run cannot go on."""
+
+
+class DownloadError(UserError):
+    """A file could not be fetched or is not what it should be."""
+
+
+class RunDirError(UserError):
+    """A run directory that cannot be used as asked: in use, or holding another run's checkpoints."""
