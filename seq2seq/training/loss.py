@@ -8,6 +8,8 @@ softmax(z) - q, where q is the smoothed target distribution, needs three.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -17,7 +19,7 @@ from seq2seq.vocab import PAD
 
 class _SmoothedCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: Tensor, target: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+    def forward(ctx: Any, logits: Tensor, target: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
         """logits: (N, V) float; target: (N,). Returns per-token (smoothed loss, nll), each (N,)."""
         lse = torch.logsumexp(logits, dim=-1)  # (N,)
         nll = lse - logits.gather(1, target[:, None]).squeeze(1)
@@ -28,7 +30,7 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         return (1.0 - epsilon) * nll + epsilon * smooth, nll
 
     @staticmethod
-    def backward(ctx, grad_loss: Tensor, grad_nll: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad_loss: Tensor, grad_nll: Tensor) -> tuple[Tensor, None, None]:
         logits, target, lse = ctx.saved_tensors
         eps = ctx.epsilon
         grad = torch.exp(logits - lse[:, None])  # softmax, (N, V)
@@ -60,7 +62,7 @@ class _SymmetricKL(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, zp: Tensor, zq: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, zp: Tensor, zq: Tensor) -> Tensor:
         grad_p, grad_q = torch.empty_like(zp), torch.empty_like(zq)
         total = zp.new_zeros((), dtype=torch.float64)
         block = zp.shape[0] if zp.is_cuda else max(1, 2**17 // zp.shape[1])  # CPU: rows of about 512 KB
@@ -78,7 +80,7 @@ class _SymmetricKL(torch.autograd.Function):
         return total.float()
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
         grad_p, grad_q = ctx.saved_tensors
         return grad_p.mul_(grad), grad_q.mul_(grad)
 

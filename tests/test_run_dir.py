@@ -1,0 +1,172 @@
+"""The run directory's guarantees: one process at a time, only this run's checkpoints, nothing lost to a kill."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, TINY, single_thread_env, tiny_overrides, write_corpus
+
+from seq2seq import checkpoint as ckpt
+from seq2seq.cli import main
+from seq2seq.config import load_config
+from seq2seq.run_dir import RunDirectory
+from seq2seq.training.trainer import train
+
+FAST = ("train.valid_bleu=false", "train.max_tokens=256", "train.max_epochs=1000", "train.log_every=1")
+DROPOUT = ("model.dropout=0.2", "model.attention_dropout=0.1", "train.warmup_steps=4")  # so the RNG matters
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("small"), n_train=600)
+
+
+def overrides(corpus: Path, run_dir: Path, *extra: str) -> list[str]:
+    return tiny_overrides(corpus, run_dir, *FAST, "train.threads=1", *extra)
+
+
+def cli_train(corpus: Path, run_dir: Path, *extra: str) -> int:
+    return main(["train", "--config", str(TINY), *overrides(corpus, run_dir, *extra)])
+
+
+def one_line(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    return err[0]
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return ckpt.read(run_dir / ckpt.LAST).model
+
+
+def test_a_second_train_on_a_busy_directory_stops_at_once_and_touches_nothing(
+    small: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = RunDirectory(tmp_path / "run")
+    run.acquire()  # as a running `seq2seq train` holds it
+    try:
+        in_flight = run.path / ".checkpoint_last.pt.a1b2.tmp"
+        in_flight.write_bytes(b"a save in progress")
+        assert cli_train(small, run.path) == 1
+        assert f"in use by another training process (pid {os.getpid()})" in one_line(capsys)
+        assert in_flight.exists(), "the other run's save in progress must survive"
+        assert sorted(p.name for p in run.path.iterdir()) == [".checkpoint_last.pt.a1b2.tmp", ".lock"]
+    finally:
+        run.release()
+    assert cli_train(small, run.path, "train.max_steps=2") == 0  # free again once released
+    assert not in_flight.exists()  # a stale temporary, now that its owner is gone
+
+
+def test_a_fresh_run_refuses_another_runs_checkpoints(
+    small: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert cli_train(small, first, "train.max_steps=4", "train.valid_every=2", "train.keep_last=5") == 0
+    second.mkdir()
+    for name in ("checkpoint_step2.pt", "checkpoint_step4.pt"):
+        (second / name).write_bytes((first / name).read_bytes())
+    before = sorted(p.name for p in second.iterdir())
+    capsys.readouterr()
+    assert cli_train(small, second, "train.max_steps=4") == 1
+    line = one_line(capsys)
+    assert "holds checkpoints of an earlier run (checkpoint_step2.pt, checkpoint_step4.pt)" in line
+    assert sorted(p.name for p in second.iterdir() if p.name != ".lock") == before
+
+
+def test_a_resumed_run_averages_and_prunes_only_its_own_checkpoints(small: Path, tmp_path: Path) -> None:
+    run = RunDirectory(tmp_path / "run")
+    assert cli_train(small, run.path, "train.max_steps=2", "train.valid_every=1", "train.keep_last=3") == 0
+    ours = ckpt.read(run.last).run_id
+    foreign = ckpt.read(run.step(2))
+    ckpt.save(run.step(100), ckpt.Checkpoint(foreign.config, foreign.tokenizer, foreign.model, "another-run"))
+    extra = ("train.valid_every=1", "train.keep_last=3", "train.average_last=3")
+    assert cli_train(small, run.path, "train.max_steps=5", *extra) == 0
+    assert [p.name for p in run.step_checkpoints(ours)] == [f"checkpoint_step{n}.pt" for n in (3, 4, 5)]
+    assert run.step(100).exists(), "another run's file is neither pruned nor averaged"
+    assert ckpt.read(run.average).averaged_from == [str(run.step(n)) for n in (3, 4, 5)]
+
+
+@pytest.mark.parametrize("change", ["data.vocab_size=40", "data.spm_model_type=bpe", "model.d_ff=64"])
+def test_resume_refuses_what_the_tokenizer_data_or_weights_fixed(
+    small: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], change: str
+) -> None:
+    run = tmp_path / "run"
+    assert cli_train(small, run, "train.max_steps=1") == 0
+    before = (run / ckpt.LAST).read_bytes()
+    capsys.readouterr()
+    assert cli_train(small, run, "train.max_steps=2", change) == 1
+    key = change.split("=")[0]
+    assert f"the config does not match its checkpoint: {key} is" in one_line(capsys)
+    assert (run / ckpt.LAST).read_bytes() == before
+    assert cli_train(small, run, "train.max_steps=2", "train.lr=1e-3", "train.log_every=5") == 0  # harmless ones
+    assert "config changed since the checkpoint: train.lr" in (run / "train.log").read_text()
+
+
+# Killed processes: deterministic (inside a save) and at random moments.
+
+
+def _uninterrupted(corpus: Path, tmp_path: Path, steps: int) -> dict[str, torch.Tensor]:
+    run = tmp_path / "whole"
+    train(load_config(TINY, overrides(corpus, run, *DROPOUT, "train.save_every=1", f"train.max_steps={steps}")))
+    return weights(run)
+
+
+def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_process_killed_inside_a_save_loses_nothing_and_resumes_exactly(small: Path, tmp_path: Path) -> None:
+    """The child dies by SIGKILL between writing a save's temporary file and renaming it into place."""
+    run, steps = tmp_path / "run", 8
+    args = ["train", "--config", str(TINY), *overrides(small, run, *DROPOUT, "train.save_every=1")]
+    child = textwrap.dedent(f"""
+        import os, signal
+        from seq2seq import checkpoint
+        from seq2seq.cli import main
+        real, calls = os.replace, [0]
+        def replace(src, dst):
+            calls[0] += 1
+            if calls[0] == 5:  # the fifth save, with its temporary file complete on disk
+                os.kill(os.getpid(), signal.SIGKILL)
+            real(src, dst)
+        checkpoint.os.replace = replace
+        main({args!r})
+    """)
+    proc = subprocess.run([sys.executable, "-c", child], cwd=ROOT, env=single_thread_env(), capture_output=True)
+    assert proc.returncode == -signal.SIGKILL
+    leftovers = [p.name for p in run.glob(".checkpoint*.tmp")]
+    assert len(leftovers) == 1, leftovers  # the interrupted save; checkpoint_last is the previous one
+    assert ckpt.read(run / ckpt.LAST).training.progress.step == 4
+    assert cli_train(small, run, *DROPOUT, "train.save_every=1", f"train.max_steps={steps}") == 0
+    assert not list(run.glob(".checkpoint*.tmp"))
+    _assert_same(weights(run), _uninterrupted(small, tmp_path, steps))
+
+
+def test_kill_9_at_random_moments_then_resume_gives_the_uninterrupted_weights(small: Path, tmp_path: Path) -> None:
+    run, steps, rng = tmp_path / "run", 24, random.Random(0)
+    command = [sys.executable, "-m", "seq2seq", "train", "--config", str(TINY)]
+    command += overrides(small, run, *DROPOUT, "train.save_every=1", f"train.max_steps={steps}")
+    kills = 0
+    for _ in range(3):
+        proc = subprocess.Popen(command, cwd=ROOT, env=single_thread_env(), stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while not (run / ckpt.LAST).exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 1.5))  # somewhere in the updates and saves that follow
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            kills += 1
+        proc.wait(timeout=60)
+    assert kills >= 2, "the run finished before it could be killed; make it longer"
+    assert cli_train(small, run, *DROPOUT, "train.save_every=1", f"train.max_steps={steps}") == 0
+    assert ckpt.read(run / ckpt.LAST).training.progress.step == steps
+    _assert_same(weights(run), _uninterrupted(small, tmp_path, steps))
