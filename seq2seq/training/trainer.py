@@ -72,13 +72,7 @@ class Trainer:
         cfg = self.cfg
         self.device, precision = setup_device(cfg.train)  # joins the process group under torchrun
         self.main = dist.is_main()
-        if self.main:
-            self.run.acquire()
-            self.run.attach_log()
-        else:
-            logging.getLogger("seq2seq").setLevel(logging.WARNING)
-        resume = self.run.resume_point()
-        changes = check_resumable(resume, cfg, self.run) if resume else []
+        resume, changes = self._claim_run_dir()
         self.run_id = resume.run_id if resume else new_run_id()
         self.tokenizer = resume.tokenizer if resume else tokenizer or shared_tokenizer(cfg.data)
         self.epochs = training_data(cfg, self.tokenizer)
@@ -96,6 +90,18 @@ class Trainer:
         self.meter, self.stop, self.start_time = monitor.Meter(), StopSignal(), time.monotonic()
         params = sum(p.numel() for p in self.model.parameters()) / 1e6
         log.info("model: %.2fM parameters; %s, %s, %d process(es)", params, self.device, precision, dist.world_size())
+
+    def _claim_run_dir(self) -> tuple[Checkpoint | None, list[str]]:
+        """Lock the run directory (rank 0), check what is there, then log into it: a refused start writes nothing."""
+        if self.main:
+            self.run.acquire()
+        else:
+            logging.getLogger("seq2seq").setLevel(logging.WARNING)
+        resume = self.run.resume_point()
+        changes = check_resumable(resume, self.cfg, self.run) if resume else []
+        if self.main:
+            self.run.attach_log()
+        return resume, changes
 
     # The loop.
 
