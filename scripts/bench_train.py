@@ -5,10 +5,12 @@ backward, clipping, Adam step) through the trainer's `UpdateStep`, the code
 path `seq2seq train` runs, with the setting under test replaced in it.
 `--compare precision` (the default) sets fp32 against
 bf16 autocast; `--compare attention` sets PyTorch's two CPU attention kernels
-against each other in bf16: flash, which `scaled_dot_product_attention`
+against each other in the precision `train.precision=auto` picks on this
+CPU (bf16 with native bf16 instructions, else fp32): flash, which `scaled_dot_product_attention`
 picks by itself when attention dropout is 0, and math (matmul, softmax,
 matmul), which the trainer asks for on CPU (`seq2seq.model.training_kernel`);
-`--compare rdrop` sets plain updates against R-Drop's (`train.rdrop_alpha`).
+`--compare rdrop` sets plain updates against R-Drop's (`train.rdrop_alpha`),
+also in the `auto` precision.
 Models:
 
 - quickstart: configs/quickstart.yaml (3+3 layers, d_model 256, d_ff 1024)
@@ -54,6 +56,7 @@ sys.path.insert(0, str(ROOT))
 
 from seq2seq.config import ExperimentConfig, load_config  # noqa: E402
 from seq2seq.data import Batch, collate, read_parallel  # noqa: E402
+from seq2seq.device import resolve_precision  # noqa: E402
 from seq2seq.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
 from seq2seq.training.trainer import Trainer  # noqa: E402
 from seq2seq.training.update import UpdateStep  # noqa: E402
@@ -78,8 +81,8 @@ MODELS = {
 # setting name -> (precision, attention kernel (None: PyTorch's choice), train.rdrop_alpha)
 SETTINGS: dict[str, dict[str, tuple[str, SDPBackend | None, float]]] = {
     "precision": {"fp32": ("fp32", SDPBackend.MATH, 0.0), "bf16": ("bf16", SDPBackend.MATH, 0.0)},
-    "attention": {"flash": ("bf16", SDPBackend.FLASH_ATTENTION, 0.0), "math": ("bf16", SDPBackend.MATH, 0.0)},
-    "rdrop": {"plain": ("bf16", SDPBackend.MATH, 0.0), "rdrop": ("bf16", SDPBackend.MATH, 5.0)},
+    "attention": {"flash": ("auto", SDPBackend.FLASH_ATTENTION, 0.0), "math": ("auto", SDPBackend.MATH, 0.0)},
+    "rdrop": {"plain": ("auto", SDPBackend.MATH, 0.0), "rdrop": ("auto", SDPBackend.MATH, 5.0)},
 }
 
 
@@ -105,6 +108,7 @@ def main() -> None:
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", default=str(ROOT / "data/multi30k"), help="Multi30k directory (train.de/en[.gz])")
+    p.add_argument("--langs", default="de,en", help="source and target file suffixes (default: de,en)")
     p.add_argument("--spm", help="a shared SentencePiece model (e.g. RUN/spm.model); default: train one")
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--max-tokens", type=int, default=4096, help="batch token budget (padded, larger side)")
@@ -130,7 +134,8 @@ def _tokenizer(args: argparse.Namespace) -> Tokenizer:
     if args.spm:
         return Tokenizer(Path(args.spm).read_bytes())
     t0 = time.perf_counter()
-    src, tgt = read_parallel(args.data, "train", "de", "en")
+    src_lang, tgt_lang = args.langs.split(",")
+    src, tgt = read_parallel(args.data, "train", src_lang, tgt_lang)
     tokenizer = train_tokenizer(src, tgt, 8000, shared=True)
     print(f"trained an 8000-piece SentencePiece model in {time.perf_counter() - t0:.0f} s")
     return tokenizer
@@ -139,6 +144,8 @@ def _tokenizer(args: argparse.Namespace) -> Tokenizer:
 def _config(args: argparse.Namespace, name: str, run_dir: str) -> ExperimentConfig:
     overrides = [
         f"data.dir={args.data}",
+        f"data.src_lang={args.langs.split(',')[0]}",
+        f"data.tgt_lang={args.langs.split(',')[1]}",
         f"train.run_dir={run_dir}",
         "train.device=cpu",
         "train.valid_bleu=false",
@@ -199,7 +206,8 @@ def _bench_matmul(rounds: int) -> None:
 
 
 def _update_step(trainer: Trainer, precision: str, kernel: SDPBackend | None, rdrop: float) -> UpdateStep:
-    """The trainer's update (same model and optimizer) with one setting changed."""
+    """The trainer's update (same model and optimizer) with one setting changed; `auto` is this CPU's choice."""
+    precision = resolve_precision(precision, torch.device("cpu"))
     return dataclasses.replace(trainer.update, precision=precision, attention_kernel=kernel, rdrop_alpha=rdrop)
 
 
