@@ -8,11 +8,13 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from seq2seq.config import UserError
 from seq2seq.tokenizer import BOS, EOS, PAD, Sampling, Tokenizer
+
+if TYPE_CHECKING:  # torch is imported where a tensor is made: the CLI starts (and takes Ctrl-C) before it loads
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +153,8 @@ class Batch:
 
 def pad(sequences: Sequence[Sequence[int]]) -> torch.Tensor:
     """(B, max length) long tensor, right-padded with PAD."""
+    import torch
+
     out = torch.full((len(sequences), max(len(s) for s in sequences)), PAD, dtype=torch.long)
     for row, seq in enumerate(sequences):
         out[row, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
