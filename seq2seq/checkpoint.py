@@ -8,7 +8,7 @@ every field's type before anything is built from it.
 
 Safety. Files are read with `torch.load(weights_only=True)`, which unpickles
 tensors and plain containers only, never code, on a torch release without
-known bypasses (`MIN_TORCH`). A sha256 over the whole content, written at save
+known bypasses (`seq2seq.security`). A sha256 over the whole content, written at save
 and verified at load, catches flipped bytes. Stored shapes are checked against
 the stored config on the meta device before any model memory is allocated.
 Files are written to a temporary name, fsynced and renamed into place, so a
@@ -38,13 +38,13 @@ import torch
 from seq2seq.config import ExperimentConfig, from_dict, to_dict
 from seq2seq.errors import CheckpointError, ConfigError
 from seq2seq.model import Seq2SeqTransformer, build_model
+from seq2seq.security import check_torch_version
 from seq2seq.tokenizer import Tokenizer
 
 FORMAT = "seq2seq-checkpoint"
 VERSION = 2  # 1: no version key (format "seq2seq-checkpoint-1"), no run id, no checksum
 _FORMAT_V1 = "seq2seq-checkpoint-1"
 LAST, BEST = "checkpoint_last.pt", "checkpoint_best.pt"
-MIN_TORCH = (2, 6)  # weights_only=True is no safe boundary before 2.6 (CVE-2025-32434)
 _TMP_SUFFIX = ".tmp"
 
 
@@ -261,14 +261,6 @@ def peek_run_id(path: str | Path) -> str | None:
 
 def _first_line(e: BaseException) -> str:
     return (str(e).splitlines() or [type(e).__name__])[0]
-
-
-def check_torch_version(version: str = torch.__version__) -> None:
-    """Refuse to unpickle anything on a torch whose weights-only loader has known bypasses."""
-    numbers = tuple(int(part) for part in version.split("+")[0].split(".")[:2] if part.isdigit())
-    if numbers < MIN_TORCH:
-        need = ".".join(map(str, MIN_TORCH))
-        raise CheckpointError(f"torch {version} cannot load checkpoints safely; install torch>={need}")
 
 
 def content_hash(raw: Any) -> str:

@@ -2,8 +2,9 @@
 
 Each subcommand parses its arguments and calls one library function. Known
 problems (bad config, bad data, unusable checkpoint) end with one line on
-stderr: exit code 2 for configuration errors, 1 for the rest. Training stopped
-by SIGINT/SIGTERM saves, then exits 130/143 so that nothing takes it for done.
+stderr: exit code 2 for configuration errors, 1 for the rest. Ctrl-C ends any
+subcommand with one line and exit code 130; training stopped by SIGINT/SIGTERM
+saves first, then exits 130/143 so that nothing takes it for done.
 """
 
 from __future__ import annotations
@@ -11,13 +12,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import stat
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, BinaryIO
 
-from seq2seq.config import apply_overrides, load_config
-from seq2seq.data import read_lines
+from seq2seq.config import MAX_THREADS, apply_overrides, load_config
+from seq2seq.data import decode_lines, read_lines
 from seq2seq.errors import ConfigError, DataError, UserError
 
 if TYPE_CHECKING:
@@ -44,6 +47,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:  # e.g. an --input file that does not exist: the system's message says it all
         print(f"seq2seq: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C while loading a model, translating, scoring...
+        print("seq2seq: interrupted", file=sys.stderr)
+        return 130
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -175,8 +181,8 @@ def _translator(args: argparse.Namespace) -> Translator:
     bad = [o for o in args.overrides if not o.startswith("decode.")]
     if bad:
         raise ConfigError(f"command line: {bad[0]!r}: only decode.* settings can change at translation time")
-    if args.threads < 0:
-        raise ConfigError(f"--threads must be >= 0, got {args.threads}")
+    if not 0 <= args.threads <= MAX_THREADS:
+        raise ConfigError(f"--threads must be in [0, {MAX_THREADS}], got {args.threads}")
     if args.threads:
         import torch
 
@@ -187,44 +193,93 @@ def _translator(args: argparse.Namespace) -> Translator:
     return Translator(loaded.model, loaded.tokenizer, config.decode, device, config.data)
 
 
+CHUNK_LINES = 2000  # lines read before translating: enough to sort into full batches
+
+
 def _translate(args: argparse.Namespace) -> int:
-    """Stream lines through the translator: in chunks of 2000 (sorted into batches), or one by one."""
-    translator = _translator(args)
-    for stream in (sys.stdin, sys.stdout):  # text is UTF-8 whatever the locale says
-        if hasattr(stream, "reconfigure"):
-            stream.reconfigure(encoding="utf-8")
-    source = open(args.input, encoding="utf-8") if args.input else sys.stdin
-    sink = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
-    interactive = args.interactive or (not args.input and sys.stdin.isatty())
-    if not args.input and sys.stdin.isatty():
-        log.info("translating each line typed on stdin; end with Ctrl-D")
-    done = 0
+    """Stream lines through the translator: in chunks of CHUNK_LINES (sorted into batches), or one by one.
+
+    Input is read as bytes and split on newlines only, like the corpus reader, so one input
+    line is always one output line. Every line before an unreadable one is translated and
+    written before the error.
+    """
+    source = open(args.input, "rb") if args.input else _stdin()
     try:
-        for chunk in _chunks(source, 1 if interactive else 2000):
-            for result in translator.translate_full(chunk, first_line=done + 1):
-                sink.write(_format(result, args.format) + "\n")
-            sink.flush()
-            done += len(chunk)
-    except UnicodeDecodeError:
-        raise DataError(f"{args.input or 'stdin'}: invalid UTF-8 input after line {done}") from None
-    except KeyboardInterrupt:
-        return 130
+        _refuse_output_that_is_read(args, source)
+        translator = _translator(args)
+        if hasattr(sys.stdout, "reconfigure"):  # text is UTF-8 whatever the locale says
+            sys.stdout.reconfigure(encoding="utf-8")
+        from_terminal = not args.input and source.isatty()
+        if from_terminal:
+            log.info("translating each line typed on stdin; end with Ctrl-D")
+        size = 1 if args.interactive or from_terminal else CHUNK_LINES
+        sink = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+        try:
+            done = 0
+            for chunk in _chunks(decode_lines(source, args.input or "stdin"), size):
+                for result in translator.translate_full(chunk, first_line=done + 1):
+                    sink.write(_format(result, args.format) + "\n")
+                sink.flush()
+                done += len(chunk)
+        finally:
+            if args.output:
+                sink.close()
     finally:
         if args.input:
             source.close()
-        if args.output:
-            sink.close()
     return 0
 
 
-def _chunks(stream: TextIO, size: int) -> Iterator[list[str]]:
-    """Lines in groups of `size`, yielded as soon as each group is complete."""
+def _stdin() -> BinaryIO:
+    if sys.stdin is None:  # started with stdin closed (`<&-`)
+        raise UserError("no input: stdin is closed; give --input FILE")
+    return sys.stdin.buffer
+
+
+def _refuse_output_that_is_read(args: argparse.Namespace, source: BinaryIO) -> None:
+    """Opening --output empties it, so it must not be a file this command reads: refuse before opening it."""
+    if not args.output:
+        return
+    output = Path(args.output)
+    if args.checkpoint and _same_file(output, Path(args.checkpoint)):
+        raise UserError(f"--output {args.output} is the checkpoint; writing there would empty it first")
+    try:  # the input, whether named by --input or redirected to stdin, under any path or link
+        read = os.fstat(source.fileno())
+        reads_output = stat.S_ISREG(read.st_mode) and output.exists() and os.path.samestat(read, output.stat())
+    except (OSError, ValueError):  # a stdin without a file descriptor (a test's, a notebook's)
+        reads_output = False
+    if reads_output:
+        raise UserError(
+            f"--output {args.output} is the input file ({args.input or 'stdin'}); writing there would empty it first"
+        )
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """The same path once resolved, or the same file under another name (a hard or symbolic link)."""
+    if a.resolve() == b.resolve():
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet)
+        return False
+
+
+def _chunks(lines: Iterable[str], size: int) -> Iterator[list[str]]:
+    """Lines in groups of `size`, yielded as soon as each group is complete.
+
+    When reading fails midway, the lines read before the failure are yielded first.
+    """
     chunk: list[str] = []
-    for line in iter(stream.readline, ""):
-        chunk.append(line.rstrip("\r\n"))
-        if len(chunk) >= size:
+    try:
+        for line in lines:
+            chunk.append(line)
+            if len(chunk) >= size:
+                yield chunk
+                chunk = []
+    except (UserError, OSError):
+        if chunk:
             yield chunk
-            chunk = []
+        raise
     if chunk:
         yield chunk
 

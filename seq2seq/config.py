@@ -21,6 +21,9 @@ import yaml
 
 from seq2seq.errors import ConfigError
 
+INT_LIMIT = 2**63  # every int setting reaches torch or C code as a 64-bit integer at most
+MAX_THREADS = 1024  # torch.set_num_threads takes a C int; more threads than this is a typo
+
 
 @dataclass(frozen=True)
 class DataConfig:
@@ -56,6 +59,8 @@ class DataConfig:
         )
         _require(self.sampling_nbest == -1 or self.sampling_nbest >= 2, "data.sampling_nbest", "must be -1 or >= 2")
         _require(self.src_lang != self.tgt_lang, "data.tgt_lang", "must differ from data.src_lang")
+        for key in ("dir", "src_lang", "tgt_lang", "train", "valid", "test"):
+            _require_text(getattr(self, key), f"data.{key}")
 
 
 @dataclass(frozen=True)
@@ -132,6 +137,8 @@ class TrainConfig:
     deterministic: bool = False
 
     def __post_init__(self) -> None:
+        _require_text(self.run_dir, "train.run_dir")
+        _require_seed(self.seed, "train.seed")
         _require(self.max_tokens >= 16, "train.max_tokens", "must be at least 16")
         _require(self.update_freq >= 1, "train.update_freq", "must be at least 1")
         _require(self.max_epochs >= 1, "train.max_epochs", "must be at least 1")
@@ -156,7 +163,7 @@ class TrainConfig:
         _require(self.keep_last >= 0, "train.keep_last", "must be >= 0")
         _require(self.average_last >= 0, "train.average_last", "must be >= 0")
         _require(self.log_every >= 1, "train.log_every", "must be at least 1")
-        _require(self.threads >= 0, "train.threads", "must be >= 0")
+        _require(0 <= self.threads <= MAX_THREADS, "train.threads", f"must be in [0, {MAX_THREADS}]")
         _require(self.max_bad_steps >= 1, "train.max_bad_steps", "must be at least 1")
 
 
@@ -186,6 +193,12 @@ class DecodeConfig:
         _require(self.beam_size >= 1, "decode.beam_size", "must be at least 1")
         _require(self.max_len >= 1, "decode.max_len", "must be at least 1")
         _require(self.max_len_a >= 0, "decode.max_len_a", "must be >= 0")
+        _require(self.max_len_b >= 0, "decode.max_len_b", "must be >= 0")
+        _require(
+            self.max_len_a > 0 or self.max_len_b > 0,
+            "decode.max_len_b",
+            "must be positive when decode.max_len_a is 0 (every translation would be cut to decode.min_len tokens)",
+        )
         _require(self.min_len >= 0, "decode.min_len", "must be >= 0")
         _require(self.min_len <= self.max_len, "decode.min_len", "must not exceed decode.max_len")
         _require(self.nbest >= 1, "decode.nbest", "must be at least 1")
@@ -200,6 +213,7 @@ class DecodeConfig:
         _require(0.0 < self.top_p <= 1.0, "decode.top_p", "must be in (0, 1]")
         _require(self.max_tokens >= 1, "decode.max_tokens", "must be positive")
         _require(self.max_input_len >= 0, "decode.max_input_len", "must be >= 0")
+        _require_seed(self.seed, "decode.seed")
 
 
 @dataclass(frozen=True)
@@ -238,6 +252,16 @@ def _require(ok: bool, key: str, message: str) -> None:
         raise ConfigError(f"{key} {message}")
 
 
+def _require_text(value: str, key: str) -> None:
+    """Paths and names: an empty one would silently mean the current directory or a file like `.de`."""
+    _require(bool(value.strip()), key, "must not be empty")
+
+
+def _require_seed(seed: int, key: str) -> None:
+    """torch.manual_seed takes [-2**63, 2**64); the seeds derived from it (micro_batch_seed) are in [0, 2**63)."""
+    _require(0 <= seed < INT_LIMIT, key, f"must be in [0, 2**63); got {seed}")
+
+
 def to_dict(cfg: Any) -> dict[str, Any]:
     """A plain nested dict (tuples become lists), as written to YAML and checkpoints."""
     return yaml.safe_load(yaml.safe_dump(_plain(dataclasses.asdict(cfg))))
@@ -263,17 +287,26 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     if path is not None:
         source = str(path)
         try:
-            text = Path(path).read_text(encoding="utf-8")
+            data = Path(path).read_bytes()
         except FileNotFoundError:
             raise ConfigError(f"{path}: config file not found") from None
         except OSError as e:
             raise ConfigError(f"{path}: cannot read config file ({e.strerror})") from None
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = data.count(b"\n", 0, e.start) + 1
+            raise ConfigError(
+                f"{path}:{line}: invalid UTF-8 (byte 0x{data[e.start]:02x}); save the file as UTF-8"
+            ) from None
         try:
             raw = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" at line {mark.line + 1}" if mark is not None else ""
             raise ConfigError(f"{path}: invalid YAML{where}") from None
+        except RecursionError:  # PyYAML's composer recurses once per nesting level
+            raise ConfigError(f"{path}: invalid YAML (nested too deeply)") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: a config file must be a mapping of sections")
     for item in overrides:
@@ -298,7 +331,7 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
         node = child
     try:
         node[parts[-1]] = yaml.safe_load(text) if text.strip() else ""
-    except yaml.YAMLError:
+    except (yaml.YAMLError, RecursionError):  # not YAML: keep the text as it was typed
         node[parts[-1]] = text
 
 
@@ -345,10 +378,12 @@ def _convert(value: Any, kind: Any, key: str, source: str) -> Any:
         if isinstance(value, bool):
             return value
     elif kind is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
         if isinstance(value, float) and value.is_integer():
-            return int(value)
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            if not -INT_LIMIT <= value < INT_LIMIT:  # torch would fail with "Overflow when unpacking long"
+                raise ConfigError(f"{source}: {key} is out of range; got {value}")
+            return value
     elif kind is float:
         number: float | None = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -5,15 +5,17 @@ from __future__ import annotations
 import gzip
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from seq2seq.errors import DataError
 from seq2seq.tokenizer import Sampling, Tokenizer
 from seq2seq.vocab import BOS, EOS, PAD
+
+if TYPE_CHECKING:  # torch is imported where a tensor is made: the CLI starts (and takes Ctrl-C) before it loads
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -33,26 +35,37 @@ def read_lines(path: str | Path) -> list[str]:
     if not path.is_file():
         raise DataError(f"missing data file: {path}")
     opener = gzip.open if path.suffix == ".gz" else open
-    lines = []
     try:
         with opener(path, "rb") as f:
-            for number, raw in enumerate(f, start=1):
-                try:
-                    lines.append(raw.decode("utf-8").rstrip("\r\n"))
-                except UnicodeDecodeError:
-                    raise DataError(f"{path}:{number}: invalid UTF-8") from None
+            return list(decode_lines(f, str(path)))
     except (OSError, EOFError) as e:  # e.g. a truncated or fake .gz
         raise DataError(f"{path}: cannot read ({e})") from None
-    return lines
+
+
+def decode_lines(raw_lines: Iterable[bytes], name: str) -> Iterator[str]:
+    """The UTF-8 lines of a binary stream without their line ending, each as soon as it arrives.
+
+    Only a newline byte ends a line: a carriage return, U+2028 or U+0085 inside a line
+    stays there (text mode and `str.splitlines` would split it and shift every later line).
+    """
+    for number, raw in enumerate(raw_lines, start=1):
+        try:
+            yield raw.decode("utf-8").rstrip("\r\n")
+        except UnicodeDecodeError:
+            raise DataError(f"{name}:{number}: invalid UTF-8") from None
 
 
 def read_parallel(directory: str | Path, split: str, src_lang: str, tgt_lang: str) -> tuple[list[str], list[str]]:
-    """The source and target lines of one split, checked to be aligned."""
+    """The source and target lines of one split, checked to be aligned and to hold at least one pair."""
     src_path = find_file(directory, split, src_lang)
     tgt_path = find_file(directory, split, tgt_lang)
     src, tgt = read_lines(src_path), read_lines(tgt_path)
     if len(src) != len(tgt):
         raise DataError(f"misaligned corpus: {src_path} has {len(src)} lines but {tgt_path} has {len(tgt)}")
+    if not any(s.strip() and t.strip() for s, t in zip(src, tgt)):
+        blank = not any(line.strip() for line in src + tgt)
+        what = "have no non-empty lines" if blank else "have no line pair with text on both sides"
+        raise DataError(f"no sentence pairs: {src_path} and {tgt_path} {what}")
     return src, tgt
 
 
@@ -148,6 +161,8 @@ class Batch:
 
 def pad(sequences: Sequence[Sequence[int]]) -> torch.Tensor:
     """(B, max length) long tensor, right-padded with PAD."""
+    import torch
+
     out = torch.full((len(sequences), max(len(s) for s in sequences)), PAD, dtype=torch.long)
     for row, seq in enumerate(sequences):
         out[row, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)

@@ -90,15 +90,24 @@ def train_tokenizer(
     vocab_size: int,
     shared: bool,
     model_type: str = "unigram",
+    source: str = "the training text",
 ) -> Tokenizer:
-    """Train one joint model, or one per side, on the training text."""
+    """Train one joint model, or one per side, on the training text.
+
+    `source` names that text (e.g. its files) in the error raised when it is empty.
+    """
     if shared:
-        return Tokenizer(_train(list(src_lines) + list(tgt_lines), vocab_size, model_type))
-    return Tokenizer(_train(src_lines, vocab_size, model_type), _train(tgt_lines, vocab_size, model_type))
+        return Tokenizer(_train(list(src_lines) + list(tgt_lines), vocab_size, model_type, source))
+    return Tokenizer(
+        _train(src_lines, vocab_size, model_type, f"the source side of {source}"),
+        _train(tgt_lines, vocab_size, model_type, f"the target side of {source}"),
+    )
 
 
-def _train(lines: Iterable[str], vocab_size: int, model_type: str) -> bytes:
+def _train(lines: Iterable[str], vocab_size: int, model_type: str, source: str) -> bytes:
     lines = [line for line in lines if line.strip()]
+    if not lines:  # SentencePiece would only say `[!sentences_.empty()]`
+        raise UserError(f"no text to train the SentencePiece vocabulary on: no non-empty line in {source}")
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
@@ -119,7 +128,7 @@ def _train(lines: Iterable[str], vocab_size: int, model_type: str) -> bytes:
         )
     except RuntimeError as e:
         # SentencePiece refuses a vocabulary larger than the text supports; say so plainly.
-        raise UserError(f"could not train the SentencePiece vocabulary: {e}") from None
+        raise UserError(f"could not train the SentencePiece vocabulary on {source}: {str(e).strip()}") from None
     return model.getvalue()
 
 
