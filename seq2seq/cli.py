@@ -254,6 +254,13 @@ def _refuse_output_that_is_read(args: argparse.Namespace, source: BinaryIO) -> N
         )
 
 
+def _refuse_overwriting(output: Path, option: str, *inputs: str | Path | None) -> None:
+    """An output must not be one of the command's own inputs: writing it would destroy what is being read."""
+    for given in inputs:
+        if given and output.exists() and _same_file(output, Path(given)):
+            raise UserError(f"{option} {output} is also an input of this command; choose another file")
+
+
 def _same_file(a: Path, b: Path) -> bool:
     """The same path once resolved, or the same file under another name (a hard or symbolic link)."""
     if a.resolve() == b.resolve():
@@ -316,6 +323,10 @@ def _evaluate(args: argparse.Namespace) -> int:
         raise ConfigError("evaluate takes --checkpoint or --hypotheses, not both")
     if args.bootstrap < 1:
         raise ConfigError(f"--bootstrap must be at least 1, got {args.bootstrap}")
+    if args.save:
+        _refuse_overwriting(
+            Path(args.save), "--save", args.hypotheses, args.src, args.ref, args.tok_ref, args.checkpoint
+        )
     tok_ref: Path | None = Path(args.tok_ref) if args.tok_ref else None
     if args.hypotheses:
         if not args.ref:
@@ -377,6 +388,7 @@ def _average(args: argparse.Namespace) -> int:
         paths += RunDirectory(args.run_dir).latest(args.last)
     if not paths:
         raise UserError("nothing to average: give checkpoints, or --run-dir with checkpoint_step*.pt files")
+    _refuse_overwriting(Path(args.output), "--output", *paths)
     average_checkpoints(paths, args.output)
     log.info("averaged %d checkpoints (%s) into %s", len(paths), ", ".join(p.name for p in paths), args.output)
     return 0

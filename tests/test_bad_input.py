@@ -349,3 +349,83 @@ def test_torch_version_check() -> None:
 def test_pyproject_floor_is_the_checked_one() -> None:
     floor = re.search(r'"torch>=([\d.]+)', (ROOT / "pyproject.toml").read_text(encoding="utf-8"))
     assert floor is not None and floor[1] == ".".join(map(str, MIN_TORCH))
+
+
+# Checkpoints: damaged, crafted or unsafe files are one line, exit 1, before any model memory is allocated.
+
+
+def _crafted(checkpoint: Path, tmp_path: Path, damage: str) -> Path:
+    """A copy of the tiny checkpoint, damaged in one way."""
+    import dataclasses
+
+    import torch
+
+    from seq2seq import checkpoint as ckpt
+
+    path = tmp_path / f"{damage}.pt"
+    good = ckpt.read(checkpoint)
+    raw = good.to_dict()
+    if damage == "text file":
+        path.write_text("this is not a checkpoint\n", encoding="utf-8")
+    elif damage == "flipped bytes":
+        data = bytearray(checkpoint.read_bytes())
+        weight = max(good.model.values(), key=lambda t: t.numel())
+        start = bytes(data).index(weight.reshape(-1)[:64].numpy().tobytes()) + 64
+        data[start : start + 4] = bytes(b ^ 0xFF for b in data[start : start + 4])
+        path.write_bytes(bytes(data))
+    elif damage == "python objects":
+        torch.save({**raw, "payload": Path("x")}, path)
+    elif damage == "huge model in config":
+        cfg = dataclasses.replace(good.config.model, d_model=32768, n_heads=8, d_ff=131072)
+        ckpt.save(path, dataclasses.replace(good, config=dataclasses.replace(good.config, model=cfg)))
+    else:  # a field missing or replaced, with a valid checksum: crafted, not damaged
+        field, value = {
+            "no tokenizer": ("tokenizer", None),
+            "no model": ("model", None),
+            "garbage tokenizer": ("tokenizer", {"src": b"\x00garbage", "tgt": None}),
+            "weights of another shape": ("model", {k: v[..., :1] for k, v in good.model.items()}),
+        }[damage]
+        raw[field] = value
+        raw["sha256"] = ckpt.content_hash(raw)
+        torch.save(raw, path)
+    return path
+
+
+CHECKPOINT_CASES = {
+    "text file": "not a readable checkpoint",
+    "flipped bytes": "checksum mismatch",
+    "python objects": "refused as unsafe",
+    "huge model in config": "weights do not fit the stored config",
+    "no tokenizer": "tokenizer must be dict",
+    "no model": "model must be dict",
+    "garbage tokenizer": "SentencePiece model is unusable",
+    "weights of another shape": "weights do not fit the stored config",
+}
+
+
+@pytest.mark.parametrize("damage, message", CHECKPOINT_CASES.items(), ids=CHECKPOINT_CASES.keys())
+def test_unusable_checkpoints_are_one_line(
+    damage: str, message: str, checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _crafted(checkpoint, tmp_path, damage)
+    source = tmp_path / "in.txt"
+    source.write_text("red cat\n", encoding="utf-8")
+    line = assert_clean_failure(run_in_process(translate_argv(path, "-i", str(source)), capsys), 1, message)
+    assert str(path) in line
+    assert "weights_only=False" not in line  # never advise disabling the safety check
+
+
+def test_evaluate_and_average_refuse_to_overwrite_their_inputs(
+    checkpoint: Path, corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ref = tmp_path / "ref.txt"
+    ref.write_bytes((corpus / "test.tgt").read_bytes())
+    before = ref.read_bytes()
+    argv = ["evaluate", "--hypotheses", str(ref), "--ref", str(ref), "--save", str(ref)]
+    assert_clean_failure(run_in_process(argv, capsys), 1, "--save", "is also an input")
+    assert ref.read_bytes() == before
+    copy = tmp_path / "model.pt"
+    copy.write_bytes(checkpoint.read_bytes())
+    argv = ["average", str(copy), str(checkpoint), "-o", str(copy)]
+    assert_clean_failure(run_in_process(argv, capsys), 1, "--output", "is also an input")
+    assert copy.read_bytes() == checkpoint.read_bytes()
