@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,3 +48,12 @@ def sum_all(values: list[float], device: torch.device) -> list[float]:
 def any_all(flags: list[bool], device: torch.device) -> list[bool]:
     """Each flag True on every rank if it is True on any rank (a stop signal, a time limit)."""
     return [total > 0 for total in sum_all([float(f) for f in flags], device)]
+
+
+def broadcast_from_main(values: list[Any]) -> list[Any]:
+    """Rank 0's values on every rank (identity for one process)."""
+    if world_size() == 1:
+        return values
+    shared = list(values)
+    dist.broadcast_object_list(shared, src=0)
+    return shared

@@ -23,8 +23,6 @@ import math
 import time
 from typing import Any
 
-import torch
-
 from seq2seq.checkpoint import Checkpoint, Progress, TrainingState
 from seq2seq.config import ExperimentConfig, save_config
 from seq2seq.data import collate
@@ -191,20 +189,15 @@ class Trainer:
 
     def _validate(self) -> bool:
         """Validate on rank 0, update the early-stopping state on every rank; True if this is the best yet."""
-        p = self.progress
-        improved = self.policy.record(p, self._scores()) if self.main else False
+        p, improved = self.progress, False
+        if self.main:
+            scores = self.validator()
+            monitor.log_validation(self.writer, p.step, scores, self.elapsed() / 60, self.validator.examples)
+            improved = self.policy.record(p, scores)
         p.validated_step = p.step
-        if dist.world_size() > 1:
-            shared: list[Any] = [p.best, p.best_metric, p.bad_validations, improved]
-            torch.distributed.broadcast_object_list(shared, src=0)
-            p.best, p.best_metric, p.bad_validations, improved = shared
+        shared = dist.broadcast_from_main([p.best, p.best_metric, p.bad_validations, improved])
+        p.best, p.best_metric, p.bad_validations, improved = shared
         return bool(improved)
-
-    def _scores(self) -> dict[str, float]:
-        """The validator's scores, also written to TensorBoard."""
-        scores = self.validator()
-        monitor.log_validation(self.writer, self.progress.step, scores, self.elapsed() / 60, self.validator.examples)
-        return scores
 
     def _save(self, improved: bool = False, keep: bool = False) -> None:
         """Write checkpoints on rank 0; checkpoint_last last, as the commit point of a resume."""
