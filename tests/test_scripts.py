@@ -29,7 +29,7 @@ def run_script(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[
 def test_plot_curves_draws_a_png_from_the_runs_tensorboard_events(trained_run: Path, tmp_path: Path) -> None:
     output = tmp_path / "plots" / "curves.png"  # a directory that does not exist yet
     proc = run_script("plot_curves.py", str(trained_run), "-o", str(output), cwd=tmp_path)
-    assert proc.stdout.strip() == f"wrote {output}"
+    assert str(output) in proc.stdout
     assert output.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
 
