@@ -59,13 +59,12 @@ def test_round_trip_gives_identical_logits(tmp_path: Path, cfg: ExperimentConfig
     src = torch.tensor([[5, 6, 7, 2], [8, 9, 2, 0]])
     tgt = torch.tensor([[1, 5, 6], [1, 8, 9]])
     with torch.no_grad():
-        assert torch.equal(model(src, src == 0, tgt), loaded.model(src, src == 0, tgt))
-    assert (
-        loaded.config == cfg
-        and loaded.tokenizer.state() == tokenizer.state()
-        and loaded.checkpoint.training is None
-        and loaded.checkpoint.run_id == "r1"
-    )
+        logits = model(src, src == 0, tgt)
+        assert torch.equal(loaded.model(src, src == 0, tgt), logits)
+        # The comparison can fail: a model of the same shape with other weights disagrees.
+        assert not torch.allclose(model_with_seed(cfg, tokenizer, 123).eval()(src, src == 0, tgt), logits, atol=1e-3)
+    assert loaded.config == cfg and loaded.tokenizer.state() == tokenizer.state() and loaded.checkpoint.training is None
+    assert loaded.checkpoint.run_id == "r1"
 
 
 def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path: Path) -> None:

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import subprocess
@@ -16,16 +15,12 @@ import pytest
 import torch
 from conftest import TINY, single_thread_env, tiny_overrides
 
-from seq2seq import checkpoint as ckpt
-from seq2seq.checkpoint import Checkpoint, load_checkpoint
+from seq2seq.checkpoint import load_checkpoint
 from seq2seq.cli import main
 from seq2seq.config import load_config
-from seq2seq.data import pad
 from seq2seq.device import resolve_device
 from seq2seq.errors import UserError
-from seq2seq.model import build_model
 from seq2seq.translate import Translator
-from seq2seq.vocab import BOS, EOS, PAD
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SOURCES = ["red cat dog", "", "blue sun moon tree", "fish bird"]
@@ -72,27 +67,6 @@ def test_tiny_model_learns_to_reverse(trained_run: Path, corpus: Path) -> None:
 # Checkpoints.
 
 
-@torch.no_grad()
-def test_checkpoint_reload_gives_identical_logits(trained_run: Path, tmp_path: Path) -> None:
-    loaded = load_checkpoint(trained_run / "checkpoint_best.pt")
-    model, tokenizer = loaded.model, loaded.tokenizer
-    src_ids = [seq + [EOS] for seq in tokenizer.encode_src(["red cat dog", "sun"])]
-    src = pad(src_ids)
-    tgt = pad([[BOS] + tokenizer.encode_tgt(["dog cat red"])[0], [BOS]])
-    before = model(src, src == PAD, tgt)
-
-    ckpt.save(tmp_path / "copy.pt", Checkpoint(loaded.config, tokenizer, model.state_dict()))
-    again = load_checkpoint(tmp_path / "copy.pt")
-    assert torch.equal(again.model(src, src == PAD, tgt), before)
-    assert again.tokenizer.encode_src(["red cat dog"]) == tokenizer.encode_src(["red cat dog"])
-    assert again.checkpoint.training is None
-
-    # The weights really come from the file: a fresh model of the same shape disagrees.
-    torch.manual_seed(123)
-    fresh = build_model(loaded.config.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size).eval()
-    assert not torch.allclose(fresh(src, src == PAD, tgt), before, atol=1e-3)
-
-
 def test_last_checkpoint_can_resume(trained_run: Path) -> None:
     last = load_checkpoint(trained_run / "checkpoint_last.pt")
     training = last.checkpoint.training
@@ -122,36 +96,6 @@ def test_unusable_checkpoint_is_one_line_exit_1(
 # translate and evaluate.
 
 
-def test_translate_files(trained_run: Path, tmp_path: Path) -> None:
-    source, output = tmp_path / "in.txt", tmp_path / "out.txt"
-    source.write_text("\n".join(SOURCES) + "\n", encoding="utf-8")
-    assert main(["translate", "-c", str(trained_run / "checkpoint_best.pt"), "-i", str(source), "-o", str(output)]) == 0
-    assert lines(output) == [reverse(s) for s in SOURCES]  # one line out per line in, empty stays empty
-
-
-def test_translate_jsonl_nbest(trained_run: Path, tmp_path: Path) -> None:
-    source, output = tmp_path / "in.txt", tmp_path / "out.jsonl"
-    source.write_text("red cat dog\n", encoding="utf-8")
-    argv = [
-        "translate",
-        "-c",
-        str(trained_run / "checkpoint_best.pt"),
-        "-i",
-        str(source),
-        "-o",
-        str(output),
-        "--format",
-        "jsonl",
-        "decode.nbest=2",
-    ]
-    assert main(argv) == 0
-    record = json.loads(output.read_text(encoding="utf-8"))
-    assert record["source"] == "red cat dog" and record["translation"] == "dog cat red"
-    assert len(record["nbest"]) == 2 and record["nbest"][0]["score"] >= record["nbest"][1]["score"]
-    best = record["nbest"][0]
-    assert best["tokens"][-1] == EOS and len(best["token_logprobs"]) == len(best["tokens"])
-
-
 def test_translate_stdin_to_stdout(trained_run: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "seq2seq", "translate", "-c", str(trained_run / "checkpoint_best.pt")],
@@ -171,14 +115,14 @@ def test_translate_rejects_training_overrides(trained_run: Path, capsys: pytest.
     assert "only decode.* settings" in one_error_line(capsys)
 
 
-def test_translate_threads(trained_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_translate_files_and_threads(trained_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     source, output = tmp_path / "in.txt", tmp_path / "out.txt"
     source.write_text("\n".join(SOURCES) + "\n", encoding="utf-8")
     torch.set_num_threads(2)  # the one_thread fixture restores its own setting afterwards
     argv = ["translate", "-c", str(trained_run / "checkpoint_best.pt"), "-i", str(source), "-o", str(output)]
     assert main([*argv, "--threads", "1"]) == 0
     assert torch.get_num_threads() == 1
-    assert lines(output) == [reverse(s) for s in SOURCES]
+    assert lines(output) == [reverse(s) for s in SOURCES]  # one line out per line in, empty stays empty
     assert main([*argv, "--threads", "-1"]) == 2
     assert "--threads" in one_error_line(capsys)
 
@@ -189,27 +133,52 @@ def test_translate_missing_input_file(trained_run: Path, tmp_path: Path, capsys:
     assert str(missing) in one_error_line(capsys)
 
 
-def test_evaluate_checkpoint_prints_signed_scores(trained_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["evaluate", "--checkpoint", str(trained_run / "checkpoint_best.pt")]) == 0
+def test_evaluate_a_checkpoint(
+    trained_run: Path, corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without --src/--ref it scores the config's test split; with them, the given files. --save keeps the order."""
+    checkpoint = str(trained_run / "checkpoint_best.pt")
+    test_hyp, val_hyp = tmp_path / "test.hyp", tmp_path / "val.hyp"
+    assert main(["evaluate", "-c", checkpoint, "--save", str(test_hyp)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert [line.split(" = ")[0] for line in out] == ["BLEU", "chrF", "TER"]
     for line in out:
         assert "nrefs:1" in line and "version:" in line  # the sacreBLEU signature
     assert "tok:13a" in out[0]
-    bleu = float(out[0].split(" = ")[1].split()[0])
-    assert bleu > 80
+    assert float(out[0].split()[2]) > 80
+    assert sum(h == r for h, r in zip(lines(test_hyp), lines(corpus / "test.tgt"))) >= 90
+
+    val = ["--src", str(corpus / "val.src"), "--ref", str(corpus / "val.tgt")]
+    assert main(["evaluate", "-c", checkpoint, *val, "--save", str(val_hyp), "decode.strategy=greedy"]) == 0
+    assert float(capsys.readouterr().out.splitlines()[0].split()[2]) > 80
+    hyps = lines(val_hyp)
+    assert len(hyps) == 100 and sum(h == reverse(s) for h, s in zip(hyps, lines(corpus / "val.src"))) >= 90
 
 
-def test_evaluate_hypotheses_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    ref = tmp_path / "ref.txt"
-    ref.write_text("a dog runs .\nthe cat sleeps .\n", encoding="utf-8")
-    assert main(["evaluate", "--hypotheses", str(ref), "--ref", str(ref), "--lowercase"]) == 0
-    out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("BLEU = 100.00") and out[3].startswith("BLEU (lowercase) = 100.00")
-    short = tmp_path / "short.txt"
-    short.write_text("a dog runs .\n", encoding="utf-8")
-    assert main(["evaluate", "--hypotheses", str(short), "--ref", str(ref)]) == 1
-    assert "1 hypotheses but 2 references" in one_error_line(capsys)
+def test_evaluate_scores_a_hypothesis_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    refs = ["A dog runs through the snow.", "Two men are playing chess in a park.", "A girl in a red coat."]
+    (tmp_path / "ref.en").write_text("\n".join(refs) + "\n", encoding="utf-8")
+    (tmp_path / "hyp.en").write_text("\n".join(r.lower() for r in refs) + "\n", encoding="utf-8")
+    files = ["--hypotheses", str(tmp_path / "hyp.en"), "--ref", str(tmp_path / "ref.en")]
+    assert main(["evaluate", *files, "--lowercase"]) == 0
+    report = {line.split(" = ")[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert set(report) == {"BLEU", "chrF", "TER", "BLEU (lowercase)"}
+    assert "nrefs:1|case:mixed" in report["BLEU"] and "case:lc" in report["BLEU (lowercase)"]
+    assert "BLEU (lowercase) = 100.00" in report["BLEU (lowercase)"] and "BLEU = 100.00" not in report["BLEU"]
+    assert "nrefs:1" in report["chrF"] and "nrefs:1" in report["TER"]  # each score prints its signature
+
+
+def test_evaluate_refuses_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "two.txt").write_text("a\nb\n", encoding="utf-8")
+    (tmp_path / "three.txt").write_text("a\nb\nc\n", encoding="utf-8")
+    assert main(["evaluate", "--hypotheses", str(tmp_path / "two.txt"), "--ref", str(tmp_path / "three.txt")]) == 1
+    assert "2 hypotheses but 3 references" in one_error_line(capsys)
+    assert main(["evaluate", "--hypotheses", str(tmp_path / "two.txt")]) == 2
+    assert "needs --ref" in one_error_line(capsys)
+    assert main(["evaluate"]) == 2
+    assert "needs --checkpoint or --hypotheses" in one_error_line(capsys)
+    both = ["evaluate", "-c", "x.pt", "--hypotheses", str(tmp_path / "two.txt"), "--ref", str(tmp_path / "two.txt")]
+    assert main(both) == 2 and "not both" in one_error_line(capsys)
 
 
 def test_evaluate_tokenized_bleu_takes_the_language_from_the_file_name(

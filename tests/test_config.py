@@ -45,13 +45,20 @@ def config_error(path: Path | None, *overrides: str) -> str:
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_shipped_config_loads_and_builds(path: Path) -> None:
     cfg = load_config(path)
+    assert cfg.data.src_lang != cfg.data.tgt_lang
     assert from_dict(to_dict(cfg)) == cfg  # what checkpoints store reads back the same
     vocab = cfg.data.vocab_size
-    build_model(cfg.model, vocab, vocab)  # the model it describes can be built
+    model = build_model(cfg.model, vocab, vocab)  # the model it describes can be built
+    assert sum(p.numel() for p in model.parameters()) > 0
 
 
 def test_configs_directory_is_not_empty() -> None:
     assert {p.name for p in CONFIGS} >= {"tiny.yaml", "quickstart.yaml"}
+
+
+def test_shipped_configs_write_to_different_run_dirs() -> None:
+    run_dirs = [load_config(p).train.run_dir for p in CONFIGS]
+    assert len(set(run_dirs)) == len(run_dirs)
 
 
 # Unknown keys.

@@ -1,4 +1,7 @@
-"""Text in, text out with the trained tiny model: batching, order, odd inputs, the CLI's formats and evaluate."""
+"""Text in, text out with the trained tiny model: batching, order, odd inputs and the CLI's formats.
+
+`seq2seq evaluate` is tested in test_cli.py.
+"""
 
 from __future__ import annotations
 
@@ -166,41 +169,6 @@ def test_interactive_translates_each_line_as_it_arrives(checkpoint: Path, tmp_pa
             assert proc.wait(timeout=60) == 0
         finally:
             proc.kill()
-
-
-def test_evaluate_scores_a_hypothesis_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    refs = ["A dog runs through the snow.", "Two men are playing chess in a park.", "A girl in a red coat."]
-    (tmp_path / "ref.en").write_text("\n".join(refs) + "\n", encoding="utf-8")
-    (tmp_path / "hyp.en").write_text("\n".join(r.lower() for r in refs) + "\n", encoding="utf-8")
-    files = ["--hypotheses", str(tmp_path / "hyp.en"), "--ref", str(tmp_path / "ref.en")]
-    assert main(["evaluate", *files, "--lowercase"]) == 0
-    report = {line.split(" = ")[0]: line for line in capsys.readouterr().out.splitlines()}
-    assert set(report) == {"BLEU", "chrF", "TER", "BLEU (lowercase)"}
-    assert "nrefs:1|case:mixed" in report["BLEU"] and "case:lc" in report["BLEU (lowercase)"]
-    assert "BLEU (lowercase) = 100.00" in report["BLEU (lowercase)"] and "BLEU = 100.00" not in report["BLEU"]
-    assert "nrefs:1" in report["chrF"] and "nrefs:1" in report["TER"]  # each score prints its signature
-
-
-def test_evaluate_refuses_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    (tmp_path / "two.txt").write_text("a\nb\n", encoding="utf-8")
-    (tmp_path / "three.txt").write_text("a\nb\nc\n", encoding="utf-8")
-    assert main(["evaluate", "--hypotheses", str(tmp_path / "two.txt"), "--ref", str(tmp_path / "three.txt")]) == 1
-    assert "2 hypotheses but 3 references" in capsys.readouterr().err
-    assert main(["evaluate", "--hypotheses", str(tmp_path / "two.txt")]) == 2
-    assert main(["evaluate"]) == 2
-    both = ["evaluate", "-c", "x.pt", "--hypotheses", str(tmp_path / "two.txt"), "--ref", str(tmp_path / "two.txt")]
-    assert main(both) == 2 and "not both" in capsys.readouterr().err
-
-
-def test_evaluate_a_checkpoint(
-    checkpoint: Path, corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    save = tmp_path / "test.hyp"
-    test_set = ["--src", str(corpus / "test.src"), "--ref", str(corpus / "test.tgt")]
-    assert main(["evaluate", "-c", str(checkpoint), *test_set, "--save", str(save), "decode.strategy=greedy"]) == 0
-    bleu = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("BLEU = "))
-    assert float(bleu.split()[2]) > 80
-    assert len(save.read_text(encoding="utf-8").splitlines()) == 100
 
 
 def test_evaluate_finds_the_tokenized_reference_of_the_test_split(

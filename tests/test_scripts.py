@@ -1,0 +1,72 @@
+"""The helper scripts run end to end on the tiny trained run, through their command lines, in seconds."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import ROOT, single_thread_env
+
+SCRIPTS = ROOT / "scripts"
+
+
+def run_script(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / name), *args],
+        cwd=cwd,
+        env=single_thread_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    return proc
+
+
+def test_plot_curves_draws_a_png_from_the_runs_tensorboard_events(trained_run: Path, tmp_path: Path) -> None:
+    output = tmp_path / "plots" / "curves.png"  # a directory that does not exist yet
+    proc = run_script("plot_curves.py", str(trained_run), "-o", str(output), cwd=tmp_path)
+    assert str(output) in proc.stdout
+    assert output.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_decode_grid_prints_one_row_per_beam_and_one_column_per_alpha(trained_run: Path, tmp_path: Path) -> None:
+    checkpoint = str(trained_run / "checkpoint_best.pt")
+    args = [checkpoint, "--beams", "1", "2", "--alphas", "0.6", "1.4", "--threads", "1"]
+    table = [line for line in run_script("decode_grid.py", *args, cwd=tmp_path).stdout.splitlines() if "|" in line]
+    assert table[0] == "| beam | alpha 0.6 | alpha 1.4 |" and table[1] == "|---|---|---|"
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table[2:]]
+    assert [row[0] for row in rows] == ["1", "2"]
+    scores = [[float(cell) for cell in row[1:]] for row in rows]
+    assert scores[0][0] == scores[0][1]  # greedy search has no length penalty
+    assert all(80 < score <= 100 for row in scores for score in row)  # the tiny model reverses val sentences
+
+
+def test_bench_decode_reports_speed_ratios_and_identical_outputs(
+    trained_run: Path, corpus: Path, tmp_path: Path
+) -> None:
+    results = tmp_path / "bench.json"
+    args = ["-c", str(trained_run / "checkpoint_best.pt"), "--src", str(corpus / "test.src"), "-n", "12"]
+    args += ["--rounds", "1", "--modes", "greedy,beam", "--beam", "2", "--threads", "1", "--json", str(results)]
+    proc = run_script("bench_decode.py", *args, cwd=tmp_path)
+    assert "differ" not in proc.stderr  # the cached search gives the uncached search's tokens
+    ratio_lines = [line for line in proc.stdout.splitlines() if "cached / uncached speed = " in line]
+    assert [line.split(":")[0] for line in ratio_lines] == ["greedy", "beam"]
+    summary = json.loads(results.read_text(encoding="utf-8"))
+    assert set(summary["runs"]) == {"greedy cached", "greedy uncached", "beam2 cached", "beam2 uncached"}
+    assert all(len(ratios) == 1 and ratios[0] > 0 for ratios in summary["ratios"].values())
+
+
+def test_bench_train_times_two_update_settings_on_the_same_batches(
+    corpus: Path, trained_run: Path, tmp_path: Path
+) -> None:
+    """The R-Drop comparison runs real training updates of both settings, round by round, and reports a ratio."""
+    args = ["--data", str(corpus), "--langs", "src,tgt", "--spm", str(trained_run / "spm.model"), "--models", "tiny"]
+    args += ["--rounds", "2", "--steps", "1", "--threads", "1", "--max-tokens", "256", "--compare", "rdrop"]
+    out = run_script("bench_train.py", *args, cwd=tmp_path).stdout
+    rounds = [line for line in out.splitlines() if line.strip().startswith("round ")]
+    assert len(rounds) == 2 and all("plain" in r and "rdrop/plain" in r for r in rounds)
+    assert "ratio median" in out
