@@ -70,3 +70,29 @@ def test_bench_train_times_two_update_settings_on_the_same_batches(
     rounds = [line for line in out.splitlines() if line.strip().startswith("round ")]
     assert len(rounds) == 2 and all("plain" in r and "rdrop/plain" in r for r in rounds)
     assert "ratio median" in out
+
+
+def test_peer_adapter_runs_the_projects_update_and_search() -> None:
+    """The bridge the peer benchmark suite calls: real updates, and decodes of exactly the forced length."""
+    import importlib.util
+
+    import torch
+
+    from seq2seq.vocab import BOS, PAD
+
+    spec = importlib.util.spec_from_file_location("peer_adapter", SCRIPTS / "peer_adapter.py")
+    assert spec is not None and spec.loader is not None
+    adapter = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(adapter)
+    shape = dict(enc_layers=1, dec_layers=1, d_model=32, ffn=64, heads=4, vocab=50, dropout=0.1, label_smoothing=0.1)
+    generator = torch.Generator().manual_seed(0)
+    tgt = torch.randint(4, 50, (8, 6), generator=generator)
+    tgt_out = torch.cat([tgt, torch.full((8, 1), 3)], dim=1)  # EOS = 3
+    batch = {"src": tgt.flip(1), "tgt_in": torch.cat([torch.full((8, 1), BOS), tgt], 1), "tgt_out": tgt_out}
+    batch["n_tgt"] = int((tgt_out != PAD).sum())
+    step, info = adapter.build_train_step(shape, [batch], "fp32")
+    losses = [step(batch) for _ in range(3)]
+    assert all(4.0 < loss < 5.0 for loss in losses)  # about log(50) for an untrained model, and finite
+    assert info["clip_norm"] == 1.0 and info["norm"] == "post" and info["optimizer"] == "Adam"
+    run, expected = adapter.build_decode(shape, 2, batch["src"], 5)
+    assert run() == [expected] * 8 == [6] * 8

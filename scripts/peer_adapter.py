@@ -1,0 +1,117 @@
+"""The project's side of the peer benchmark suite (../shared/bench-peers): one training update and one decode.
+
+The suite calls these two functions with a model shape and data in this
+project's token ids, and times what they return against HF transformers and
+CTranslate2 on the same batches. Both run this project's own code path:
+
+- `build_train_step`: the `UpdateStep` that `seq2seq train` runs (learning
+  rate from the schedule, a fresh dropout seed per micro-batch, autocast and
+  the training attention kernel, the closed-form label-smoothed loss, backward,
+  clipping at 1.0, fused Adam) on the model the suite asks for: post-norm,
+  ReLU, sinusoidal positions, all embeddings tied, no attention or activation
+  dropout.
+- `build_decode`: `seq2seq.search.search`, greedy or beam, with every
+  hypothesis forced to exactly `n_tokens` tokens before EOS.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from seq2seq.config import DecodeConfig, ExperimentConfig, ModelConfig, TrainConfig
+from seq2seq.data import Batch
+from seq2seq.model import Seq2SeqTransformer, build_model
+from seq2seq.search import search
+from seq2seq.training.optim import build_optimizer, lr_schedule
+from seq2seq.training.update import UpdateStep
+from seq2seq.vocab import EOS, PAD
+
+
+def model_config(shape: dict[str, Any]) -> ModelConfig:
+    """The suite's shape (bench-peers' common.CONFIGS entry) as this project's model settings."""
+    return ModelConfig(
+        d_model=shape["d_model"],
+        n_heads=shape["heads"],
+        d_ff=shape["ffn"],
+        encoder_layers=shape["enc_layers"],
+        decoder_layers=shape["dec_layers"],
+        dropout=shape["dropout"],
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        activation="relu",
+        norm="post",
+        positions="sinusoidal",
+        share_decoder_embeddings=True,
+        share_all_embeddings=True,
+    )
+
+
+def build_train_step(
+    shape: dict[str, Any], batches: Sequence[dict[str, Any]], precision: str
+) -> tuple[Callable[[dict[str, Any]], float], dict[str, Any]]:
+    """(step(batch) -> loss per target token, info): one `seq2seq train` update per call."""
+    train = TrainConfig(device="cpu", precision=precision, label_smoothing=shape["label_smoothing"], clip_norm=1.0)
+    cfg = ExperimentConfig(model=model_config(shape), train=train)
+    device = torch.device("cpu")
+    torch.manual_seed(train.seed)
+    model = build_model(cfg.model, shape["vocab"], shape["vocab"]).to(device).train()
+    optimizer = build_optimizer(model, train)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    update = UpdateStep.from_config(train, model, optimizer, scaler, device, precision)
+    lr = lr_schedule(cfg, updates_per_epoch=1000)
+    converted = {id(b): _batch(b) for b in batches}
+    steps = itertools.count(1)
+
+    def step(b: dict[str, Any]) -> float:
+        n = next(steps)
+        stats = update([converted.get(id(b)) or _batch(b)], n, lr(n))
+        return stats["loss"] if stats else float("nan")
+
+    info = {
+        "precision": precision,
+        "attention_kernel": str(update.attention_kernel),
+        "optimizer": type(optimizer).__name__,
+        "fused": optimizer.defaults.get("fused"),
+        "clip_norm": update.clip_norm,
+        "norm": cfg.model.norm,
+        "total_params": sum(p.numel() for p in model.parameters()),
+    }
+    return step, info
+
+
+def _batch(b: dict[str, Any]) -> Batch:
+    src, tgt_out = b["src"].contiguous(), b["tgt_out"].contiguous()
+    batch = Batch(src, src == PAD, b["tgt_in"].contiguous(), tgt_out, int((tgt_out != PAD).sum()))
+    assert batch.n_tokens == b["n_tgt"], (batch.n_tokens, b["n_tgt"])
+    return batch
+
+
+def build_decode(
+    shape: dict[str, Any], beam: int, src: torch.Tensor, n_tokens: int
+) -> tuple[Callable[[], list[int]], int]:
+    """(run() -> hypothesis lengths, expected length): `search` on src (B, S), exactly n_tokens tokens + EOS."""
+    torch.manual_seed(0)
+    model: Seq2SeqTransformer = build_model(model_config(shape), shape["vocab"], shape["vocab"]).eval()
+    strategy = "greedy" if beam == 1 else "beam"
+    decode = DecodeConfig(
+        strategy=strategy,
+        beam_size=max(beam, 1),
+        min_len=n_tokens,
+        max_len=n_tokens,
+        max_len_a=0.0,
+        max_len_b=n_tokens,
+        length_penalty=1.0,
+        nbest=1,
+    )
+    mask, limit = src == PAD, model.max_positions - 1
+
+    def run() -> list[int]:
+        tokens = [hyps[0].tokens for hyps in search(model, src, mask, decode, limit)]
+        assert all(t[-1] == EOS and EOS not in t[:-1] for t in tokens)
+        return [len(t) for t in tokens]
+
+    return run, n_tokens + 1  # tokens + EOS = decoder steps
