@@ -10,4 +10,4 @@ PYTHON=${PYTHON:-python3}
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
 fi
-.venv/bin/python -m pip install -q -e ".[dev,recipes]"
+.venv/bin/python -m pip install -q -e ".[dev,recipes,export]"

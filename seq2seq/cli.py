@@ -112,6 +112,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--last", type=int, default=5, help="how many step checkpoints (default: 5)")
     p.add_argument("--output", "-o", required=True, help="averaged checkpoint to write")
     p.set_defaults(run=_average)
+
+    p = sub.add_parser("export", help="export a checkpoint to an inference engine (CTranslate2)")
+    p.add_argument("checkpoint", help="checkpoint file (e.g. RUN/checkpoint_best.pt)")
+    p.add_argument("--format", choices=["ctranslate2"], default="ctranslate2", help="target engine")
+    p.add_argument("--output", "-o", required=True, help="model directory to create")
+    p.add_argument("--quantization", default="float32", help="weights: float32 (default), int8, int8_float32, ...")
+    p.set_defaults(run=_export)
     return parser
 
 
@@ -391,4 +398,12 @@ def _average(args: argparse.Namespace) -> int:
     _refuse_overwriting(Path(args.output), "--output", *paths)
     average_checkpoints(paths, args.output)
     log.info("averaged %d checkpoints (%s) into %s", len(paths), ", ".join(p.name for p in paths), args.output)
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from seq2seq.export import export_ctranslate2
+
+    output = export_ctranslate2(args.checkpoint, args.output, args.quantization)
+    log.info("exported %s to %s (CTranslate2, %s)", args.checkpoint, output, args.quantization)
     return 0

@@ -1,0 +1,171 @@
+"""Export a checkpoint to CTranslate2, the C++ inference engine most MT deployments use.
+
+The model is rebuilt with CTranslate2's own converter specs (`TransformerSpec`),
+layer by layer from this project's modules, so CTranslate2 validates every
+shape and applies the quantization itself (int8, int16, float16, bfloat16...).
+The output directory holds the CTranslate2 model, its vocabularies and the
+SentencePiece model(s) that turn text into the pieces it expects:
+
+    import ctranslate2, sentencepiece as spm
+    sp = spm.SentencePieceProcessor(model_file="DIR/spm.model")
+    translator = ctranslate2.Translator("DIR")
+    pieces = translator.translate_batch([sp.encode("Ein Hund.", out_type=str)])[0].hypotheses[0]
+    print(sp.decode(pieces))
+
+The source EOS is appended by CTranslate2 (`add_source_eos`), as `translate` does.
+
+`ctranslate2` is an optional extra (`pip install -e ".[export]"`), imported only here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from torch import Tensor, nn
+
+from seq2seq.checkpoint import Checkpoint, read
+from seq2seq.errors import UserError
+from seq2seq.model import Seq2SeqTransformer
+from seq2seq.model.attention import MultiHeadAttention
+from seq2seq.model.layers import DecoderLayer, EncoderLayer, FeedForward
+from seq2seq.model.transformer import Decoder, Encoder
+from seq2seq.tokenizer import Tokenizer
+
+QUANTIZATIONS = ("int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16", "bfloat16", "float32")
+
+
+class ExportError(UserError):
+    """A checkpoint that cannot be exported as asked."""
+
+
+def export_ctranslate2(checkpoint: str | Path, output: str | Path, quantization: str = "float32") -> Path:
+    """Write the checkpoint's model as a CTranslate2 model directory; returns it."""
+    ctranslate2 = _import_ctranslate2()
+    if quantization not in QUANTIZATIONS:
+        raise ExportError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
+    output = Path(output)
+    if output.exists() and any(output.iterdir()):
+        raise ExportError(f"{output} exists and is not empty; choose a new directory")
+    stored = read(checkpoint)
+    spec = _spec(ctranslate2.specs, stored, stored.build_model("cpu"))
+    try:
+        _converter(ctranslate2, spec).convert(str(output), quantization=_ct2_quantization(quantization), force=True)
+    except (ValueError, RuntimeError) as e:  # CTranslate2's own checks of shapes and types
+        raise ExportError(f"CTranslate2 refused the model: {str(e).splitlines()[0]}") from None
+    stored.tokenizer.save(output)  # spm.model, or spm.src.model and spm.tgt.model
+    return output
+
+
+def _import_ctranslate2() -> Any:
+    try:
+        import ctranslate2
+    except ImportError:
+        raise UserError('export needs CTranslate2: pip install -e ".[export]" (or pip install ctranslate2)') from None
+    return ctranslate2
+
+
+def _ct2_quantization(name: str) -> str | None:
+    return None if name == "float32" else name
+
+
+def _converter(ctranslate2: Any, spec: Any) -> Any:
+    """A CTranslate2 converter of a ready spec: its `convert` validates, quantizes and saves."""
+
+    class Loaded(ctranslate2.converters.Converter):  # type: ignore[misc]
+        def _load(self) -> Any:
+            return spec
+
+    return Loaded()
+
+
+def _spec(specs: Any, stored: Checkpoint, model: Seq2SeqTransformer) -> Any:
+    cfg = stored.config.model
+    gelu, relu = specs.common_spec.Activation.GELU, specs.common_spec.Activation.RELU
+    spec = specs.TransformerSpec.from_config(
+        (cfg.encoder_layers, cfg.decoder_layers),
+        cfg.n_heads,
+        pre_norm=cfg.norm == "pre",
+        activation=gelu if cfg.activation == "gelu" else relu,
+    )
+    _set_encoder(spec.encoder, model.encoder)
+    _set_decoder(spec.decoder, model.decoder)
+    spec.register_source_vocabulary(_pieces(stored.tokenizer, source=True))
+    spec.register_target_vocabulary(_pieces(stored.tokenizer, source=False))
+    spec.config.add_source_eos = True  # sources end with EOS, as in training
+    return spec
+
+
+def _pieces(tokenizer: Tokenizer, source: bool) -> list[str]:
+    processor = tokenizer.src if source else tokenizer.tgt
+    return [processor.id_to_piece(i) for i in range(processor.get_piece_size())]
+
+
+# Module by module: this project's layers onto CTranslate2's layer specs.
+
+
+def _array(t: Tensor) -> np.ndarray:
+    return t.detach().float().cpu().numpy()
+
+
+def _set_linear(spec: Any, weight: Tensor, bias: Tensor | None) -> None:
+    spec.weight = _array(weight)
+    if bias is not None:
+        spec.bias = _array(bias)
+
+
+def _set_norm(spec: Any, norm: nn.Module) -> None:
+    assert isinstance(norm, nn.LayerNorm), "only LayerNorm exports"
+    spec.gamma, spec.beta = _array(norm.weight), _array(norm.bias)
+
+
+def _set_embedding(spec: Any, module: Encoder | Decoder) -> None:
+    embedding = module.embedding
+    embeddings = spec.embeddings[0] if isinstance(spec.embeddings, list) else spec.embeddings  # the encoder: a list
+    embeddings.weight = _array(embedding.tokens.weight)
+    spec.scale_embeddings = True  # sqrt(d_model), as Embedding does
+    table = embedding.positions.weight if embedding.positions is not None else embedding.table
+    spec.position_encodings.encodings = _array(table)
+
+
+def _set_self_attention(spec: Any, attention: MultiHeadAttention, norm: nn.Module) -> None:
+    _set_linear(spec.linear[0], attention.in_proj.weight, attention.in_proj.bias)  # fused Q, K, V
+    _set_linear(spec.linear[1], attention.out_proj.weight, attention.out_proj.bias)
+    _set_norm(spec.layer_norm, norm)
+
+
+def _set_cross_attention(spec: Any, attention: MultiHeadAttention, norm: nn.Module) -> None:
+    d, w, b = attention.d_model, attention.in_proj.weight, attention.in_proj.bias
+    _set_linear(spec.linear[0], w[:d], b[:d])  # queries from the decoder
+    _set_linear(spec.linear[1], w[d:], b[d:])  # fused keys and values of the encoder output
+    _set_linear(spec.linear[2], attention.out_proj.weight, attention.out_proj.bias)
+    _set_norm(spec.layer_norm, norm)
+
+
+def _set_ffn(spec: Any, ffn: FeedForward, norm: nn.Module) -> None:
+    _set_linear(spec.linear_0, ffn.fc1.weight, ffn.fc1.bias)
+    _set_linear(spec.linear_1, ffn.fc2.weight, ffn.fc2.bias)
+    _set_norm(spec.layer_norm, norm)
+
+
+def _set_encoder(spec: Any, encoder: Encoder) -> None:
+    _set_embedding(spec, encoder)
+    for layer_spec, layer in zip(spec.layer, encoder.layers):
+        assert isinstance(layer, EncoderLayer)
+        _set_self_attention(layer_spec.self_attention, layer.self_attn, layer.attn_block.norm)
+        _set_ffn(layer_spec.ffn, layer.ffn, layer.ffn_block.norm)
+    if isinstance(encoder.final_norm, nn.LayerNorm):
+        _set_norm(spec.layer_norm, encoder.final_norm)
+
+
+def _set_decoder(spec: Any, decoder: Decoder) -> None:
+    _set_embedding(spec, decoder)
+    for layer_spec, layer in zip(spec.layer, decoder.layers):
+        assert isinstance(layer, DecoderLayer)
+        _set_self_attention(layer_spec.self_attention, layer.self_attn, layer.self_block.norm)
+        _set_cross_attention(layer_spec.attention, layer.cross_attn, layer.cross_block.norm)
+        _set_ffn(layer_spec.ffn, layer.ffn, layer.ffn_block.norm)
+    if isinstance(decoder.final_norm, nn.LayerNorm):
+        _set_norm(spec.layer_norm, decoder.final_norm)
+    _set_linear(spec.projection, decoder.output.weight, None)
