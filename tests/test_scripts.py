@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import ROOT, single_thread_env
 
 SCRIPTS = ROOT / "scripts"
@@ -96,3 +97,10 @@ def test_peer_adapter_runs_the_projects_update_and_search() -> None:
     assert info["clip_norm"] == 1.0 and info["norm"] == "post" and info["optimizer"] == "Adam"
     run, expected = adapter.build_decode(shape, 2, batch["src"], 5)
     assert run() == [expected] * 8 == [6] * 8
+
+
+def test_profile_train_reports_bucket_shares(tmp_path: Path) -> None:
+    args = ["--models", "quickstart", "--steps", "1", "--threads", "1", "--vocab", "100", "--sentences", "4"]
+    out = run_script("profile_train.py", *args, "--length", "8", cwd=tmp_path).stdout
+    shares = {line.split()[0]: float(line.split()[1].rstrip("%")) for line in out.splitlines() if line.endswith("%")}
+    assert {"matmul", "rest"} <= set(shares) and sum(shares.values()) == pytest.approx(100, abs=0.5)
