@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from seq2seq.config import load_config
-from seq2seq.model.transformer import build_model
+from seq2seq.model import build_model
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 
