@@ -34,7 +34,8 @@ class Embedding(nn.Module):
     """Token embedding scaled by sqrt(D), plus a position encoding, then dropout.
 
     `positions`: sinusoidal or learned are added here; relative and rope live in
-    self-attention instead (seq2seq.model.positions), so nothing is added.
+    self-attention instead (seq2seq.model.positions), and an RNN ("none") needs
+    none, so nothing is added for them. The length check holds for all.
     """
 
     table: Tensor | None  # (max_positions, D) sinusoidal encodings: a buffer, not saved in checkpoints
