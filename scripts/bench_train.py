@@ -16,6 +16,8 @@ Models:
 - quickstart: configs/quickstart.yaml (3+3 layers, d_model 256, d_ff 1024)
 - tiny: 4+4 layers, d_model 128, d_ff 256 (the shape of fairseq's transformer_tiny)
 - big: 6+6 layers, d_model 512, 8 heads, d_ff 2048
+- rope, relative, rmsnorm: the quickstart shape with that position or norm variant
+- rnn, rnn_attention: the RNNs of configs/m30k_de_en_rnn*.yaml (LSTM 2+2, hidden 512); not in the default list
 
 This machine's speed drifts by up to 3x within minutes, so the settings are
 interleaved round by round (the order alternating) on the same batches, and
@@ -77,6 +79,12 @@ MODELS = {
         "model.encoder_layers=6",
         "model.decoder_layers=6",
     ],
+    # the quickstart shape with the other positions and norms, and the RNNs of configs/m30k_de_en_rnn*.yaml
+    "rope": ["model.positions=rope"],
+    "relative": ["model.positions=relative"],
+    "rmsnorm": ["model.norm_type=rmsnorm"],
+    "rnn": ["model.arch=rnn", "model.rnn.attention=none"],
+    "rnn_attention": ["model.arch=rnn", "model.rnn.attention=general"],
 }
 # setting name -> (precision, attention kernel (None: PyTorch's choice), train.rdrop_alpha)
 SETTINGS: dict[str, dict[str, tuple[str, SDPBackend | None, float]]] = {
@@ -110,7 +118,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--data", default=str(ROOT / "data/multi30k"), help="Multi30k directory (train.de/en[.gz])")
     p.add_argument("--langs", default="de,en", help="source and target file suffixes (default: de,en)")
     p.add_argument("--spm", help="a shared SentencePiece model (e.g. RUN/spm.model); default: train one")
-    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--models", nargs="+", default=["quickstart", "tiny", "big"], choices=list(MODELS))
     p.add_argument("--max-tokens", type=int, default=4096, help="batch token budget (padded, larger side)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per model")
     p.add_argument("--steps", type=int, default=3, help="timed updates per setting per round")

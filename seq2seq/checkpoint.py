@@ -37,7 +37,7 @@ import torch
 
 from seq2seq.config import ExperimentConfig, from_dict, to_dict
 from seq2seq.errors import CheckpointError, ConfigError
-from seq2seq.model import Seq2SeqTransformer, build_model
+from seq2seq.model import Seq2SeqModel, build_model
 from seq2seq.security import check_torch_version
 from seq2seq.tokenizer import Tokenizer
 
@@ -152,7 +152,7 @@ class Checkpoint:
             averaged_from=[str(p) for p in averaged],
         )
 
-    def build_model(self, device: str | torch.device = "cpu") -> Seq2SeqTransformer:
+    def build_model(self, device: str | torch.device = "cpu") -> Seq2SeqModel:
         """The model the config describes, with these weights, in eval mode on `device`."""
         check_shapes(self.config, self.tokenizer, self.model)
         model = build_model(self.config.model, self.tokenizer.src_vocab_size, self.tokenizer.tgt_vocab_size)
@@ -350,7 +350,7 @@ def remove_stale_temporaries(directory: str | Path) -> list[Path]:
 
 @dataclass
 class Loaded:
-    model: Seq2SeqTransformer
+    model: Seq2SeqModel
     tokenizer: Tokenizer
     config: ExperimentConfig
     checkpoint: Checkpoint

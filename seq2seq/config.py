@@ -64,8 +64,32 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class RNNConfig:
+    """The recurrent encoder-decoder (model.arch: rnn); see seq2seq/model/rnn.py.
+
+    Embeddings are model.d_model wide and model.dropout applies to them, between
+    layers and before the output; the other model.* keys are the Transformer's.
+    """
+
+    cell: Literal["lstm", "gru"] = "lstm"
+    layers: int = 2  # encoder and decoder alike: the bridge maps layer to layer
+    hidden_size: int = 512  # the decoder's state; a bidirectional encoder has half per direction
+    bidirectional: bool = True
+    attention: Literal["none", "dot", "general", "mlp"] = "general"  # Luong et al. (2015), with input feeding
+
+    def __post_init__(self) -> None:
+        _require(self.layers >= 1, "model.rnn.layers", "must be at least 1")
+        _require(self.hidden_size >= 2, "model.rnn.hidden_size", "must be at least 2")
+        _require(
+            not self.bidirectional or self.hidden_size % 2 == 0,
+            "model.rnn.hidden_size",
+            f"({self.hidden_size}) must be even with model.rnn.bidirectional (half per direction)",
+        )
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    """Shape of the Transformer (Vaswani et al., 2017)."""
+    """Shape of the Transformer (Vaswani et al., 2017), or of the RNN with `arch: rnn`."""
 
     d_model: int = 256
     n_heads: int = 4
@@ -77,10 +101,14 @@ class ModelConfig:
     activation_dropout: float = 0.0  # inside the feed-forward block (4x wider, so 4x the RNG cost)
     activation: Literal["relu", "gelu"] = "relu"
     norm: Literal["post", "pre"] = "pre"
-    positions: Literal["sinusoidal", "learned"] = "sinusoidal"
-    max_positions: int = 512
+    positions: Literal["sinusoidal", "learned", "relative", "rope"] = "sinusoidal"
+    max_positions: int = 512  # also the RNN's length limit
     share_decoder_embeddings: bool = True  # output projection = decoder input embedding
     share_all_embeddings: bool = True  # encoder embedding too; needs data.shared_vocab
+    arch: Literal["transformer", "rnn"] = "transformer"
+    norm_type: Literal["layernorm", "rmsnorm"] = "layernorm"
+    max_relative_distance: int = 16  # positions: relative clips distances to [-k, k] (Shaw et al., 2018)
+    rnn: RNNConfig = field(default_factory=RNNConfig)
 
     def __post_init__(self) -> None:
         _require(self.d_model > 0, "model.d_model", "must be positive")
@@ -97,6 +125,13 @@ class ModelConfig:
         _require(0.0 <= self.attention_dropout < 1.0, "model.attention_dropout", "must be in [0, 1)")
         _require(0.0 <= self.activation_dropout < 1.0, "model.activation_dropout", "must be in [0, 1)")
         _require(self.max_positions >= 8, "model.max_positions", "must be at least 8")
+        _require(self.max_relative_distance >= 1, "model.max_relative_distance", "must be at least 1")
+        _require(
+            self.positions != "rope" or (self.d_model // self.n_heads) % 2 == 0,
+            "model.positions",
+            f"rope rotates pairs of dimensions: model.d_model / model.n_heads ({self.d_model // self.n_heads}) "
+            "must be even",
+        )
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,10 @@ def export_ctranslate2(checkpoint: str | Path, output: str | Path, quantization:
     if output.exists() and any(output.iterdir()):
         raise ExportError(f"{output} exists and is not empty; choose a new directory")
     stored = read(checkpoint)
-    spec = _spec(ctranslate2.specs, stored, stored.build_model("cpu"))
+    _check_exportable(stored)
+    model = stored.build_model("cpu")
+    assert isinstance(model, Seq2SeqTransformer)  # _check_exportable refused the other architectures
+    spec = _spec(ctranslate2.specs, stored, model)
     try:
         _converter(ctranslate2, spec).convert(str(output), quantization=_ct2_quantization(quantization), force=True)
     except (ValueError, RuntimeError) as e:  # CTranslate2's own checks of shapes and types
@@ -64,6 +67,22 @@ def _import_ctranslate2() -> Any:
     except ImportError:
         raise UserError('export needs CTranslate2: pip install -e ".[export]" (or pip install ctranslate2)') from None
     return ctranslate2
+
+
+def _check_exportable(stored: Checkpoint) -> None:
+    """What this exporter maps onto CTranslate2's Transformer spec: the original Transformer's variants."""
+    m = stored.config.model
+    settings: list[tuple[str, str, tuple[str, ...]]] = [
+        ("model.arch", m.arch, ("transformer",)),
+        ("model.norm_type", m.norm_type, ("layernorm",)),
+        ("model.positions", m.positions, ("sinusoidal", "learned")),
+    ]
+    for key, value, exportable in settings:
+        if value not in exportable:
+            raise ExportError(
+                f"{key}={value} does not export to CTranslate2 yet (exported: the Transformer with LayerNorm and "
+                "sinusoidal or learned positions)"
+            )
 
 
 def _ct2_quantization(name: str) -> str | None:
@@ -126,6 +145,7 @@ def _set_embedding(spec: Any, module: Encoder | Decoder) -> None:
     embeddings.weight = _array(embedding.tokens.weight)
     spec.scale_embeddings = True  # sqrt(d_model), as Embedding does
     table = embedding.positions.weight if embedding.positions is not None else embedding.table
+    assert table is not None, "sinusoidal or learned positions (checked before)"
     spec.position_encodings.encodings = _array(table)
 
 

@@ -22,14 +22,14 @@ from torch import Tensor
 from seq2seq.checkpoint import load_checkpoint
 from seq2seq.config import DataConfig, DecodeConfig, from_dict, to_dict
 from seq2seq.data import make_batches, pad
-from seq2seq.model import Seq2SeqTransformer
+from seq2seq.model import Seq2SeqModel
 from seq2seq.search import Hypothesis, search
 from seq2seq.tokenizer import Tokenizer
 from seq2seq.vocab import EOS, PAD
 
 log = logging.getLogger(__name__)
 
-SearchFn = Callable[[Seq2SeqTransformer, Tensor, Tensor, DecodeConfig, int], list[list[Hypothesis]]]
+SearchFn = Callable[[Seq2SeqModel, Tensor, Tensor, DecodeConfig, int], list[list[Hypothesis]]]
 """(model, src (B, S), src_pad_mask (B, S), settings, limit) -> hypotheses per sentence, as `search.search`."""
 
 
@@ -59,7 +59,7 @@ class Translator:
 
     def __init__(
         self,
-        model: Seq2SeqTransformer,
+        model: Seq2SeqModel,
         tokenizer: Tokenizer,
         decode: DecodeConfig,
         device: str | torch.device = "cpu",

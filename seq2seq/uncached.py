@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from seq2seq.config import DecodeConfig
-from seq2seq.model import Seq2SeqTransformer
+from seq2seq.model import Seq2SeqModel, Seq2SeqTransformer
 from seq2seq.model.attention import attention_mask
 from seq2seq.search import Hypothesis, search
 
@@ -39,7 +39,9 @@ class UncachedModel:
     and only the last position is projected to the vocabulary, so the baseline
     pays just for the recomputed decoder layers."""
 
-    def __init__(self, model: Seq2SeqTransformer) -> None:
+    def __init__(self, model: Seq2SeqModel) -> None:
+        if not isinstance(model, Seq2SeqTransformer):  # an RNN's state *is* its cache: there is nothing to drop
+            raise ValueError("uncached decoding is a Transformer baseline; this model is not a Transformer")
         self.model = model
 
     def encode(self, src: Tensor, src_pad_mask: Tensor) -> Tensor:
@@ -56,7 +58,7 @@ class UncachedModel:
 
 
 def uncached_search(
-    model: Seq2SeqTransformer, src: Tensor, src_pad_mask: Tensor, cfg: DecodeConfig, limit: int
+    model: Seq2SeqModel, src: Tensor, src_pad_mask: Tensor, cfg: DecodeConfig, limit: int
 ) -> list[list[Hypothesis]]:
     """`seq2seq.search.search` without the key/value cache."""
     return search(UncachedModel(model), src, src_pad_mask, cfg, limit)

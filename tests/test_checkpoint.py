@@ -22,9 +22,9 @@ from seq2seq.checkpoint import (
     remove_stale_temporaries,
 )
 from seq2seq.cli import main
-from seq2seq.config import ExperimentConfig, load_config
+from seq2seq.config import ExperimentConfig, apply_overrides, load_config
 from seq2seq.errors import CheckpointError
-from seq2seq.model import Seq2SeqTransformer, build_model
+from seq2seq.model import Seq2SeqModel, build_model
 from seq2seq.run_dir import RunDirectory
 from seq2seq.tokenizer import Tokenizer, train_tokenizer
 from seq2seq.translate import Translator
@@ -41,7 +41,7 @@ def cfg() -> ExperimentConfig:
     return load_config(TINY)
 
 
-def model_with_seed(cfg: ExperimentConfig, tokenizer: Tokenizer, seed: int) -> Seq2SeqTransformer:
+def model_with_seed(cfg: ExperimentConfig, tokenizer: Tokenizer, seed: int) -> Seq2SeqModel:
     torch.manual_seed(seed)
     return build_model(cfg.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
 
@@ -52,7 +52,26 @@ def save_model(
     ckpt.save(path, Checkpoint(cfg, tokenizer, model.state_dict(), run_id))
 
 
-def test_round_trip_gives_identical_logits(tmp_path: Path, cfg: ExperimentConfig, tokenizer: Tokenizer) -> None:
+ARCHITECTURES = {
+    "transformer": [],
+    "rope-rmsnorm-post": ["model.positions=rope", "model.norm_type=rmsnorm", "model.norm=post"],
+    "relative": ["model.positions=relative"],
+    "rnn-lstm-mlp": ["model.arch=rnn", "model.rnn.attention=mlp", "model.rnn.hidden_size=32"],
+    "rnn-gru-none-unidirectional": [
+        "model.arch=rnn",
+        "model.rnn.cell=gru",
+        "model.rnn.attention=none",
+        "model.rnn.bidirectional=false",
+        "model.share_all_embeddings=false",
+    ],
+}
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_round_trip_gives_identical_logits(
+    tmp_path: Path, cfg: ExperimentConfig, tokenizer: Tokenizer, arch: str
+) -> None:
+    cfg = apply_overrides(cfg, ARCHITECTURES[arch])
     model = model_with_seed(cfg, tokenizer, 0).eval()
     save_model(tmp_path / "c.pt", model, tokenizer, cfg)
     loaded = load_checkpoint(tmp_path / "c.pt")

@@ -146,6 +146,12 @@ def test_d_model_not_divisible_by_heads(tmp_path: Path) -> None:
         (["train.rdrop_alpha=5", "model.dropout=0"], "train.rdrop_alpha compares two dropout passes"),
         (["data.spm_model_type=bpe", "data.sampling_alpha=1"], "data.sampling_alpha is a dropout probability"),
         (["decode.beam_size=2", "decode.nbest=3"], "decode.nbest (3) must not exceed decode.beam_size (2)"),
+        (["model.positions=rope", "model.d_model=12", "model.n_heads=4"], "d_model / model.n_heads (3) must be even"),
+        (["model.max_relative_distance=0"], "model.max_relative_distance must be at least 1"),
+        (["model.rnn.hidden_size=33"], "model.rnn.hidden_size (33) must be even with model.rnn.bidirectional"),
+        (["model.rnn.attention=bahdanau"], "model.rnn.attention must be one of none, dot, general, mlp"),
+        (["model.rnn.cel=gru"], "did you mean 'model.rnn.cell'"),
+        (["model.arch=lstm"], "model.arch must be one of transformer, rnn"),
     ],
 )
 def test_inconsistent_or_out_of_range_values(overrides: list[str], needle: str) -> None:
@@ -227,3 +233,13 @@ def test_cli_bad_config_exits_2_with_one_line_and_no_traceback(tmp_path: Path) -
     assert "Traceback" not in proc.stderr
     assert "model.d_modle" in lines[0] and str(path) in lines[0] and "did you mean 'model.d_model'" in lines[0]
     assert proc.stdout == ""
+
+
+def test_configs_without_the_architecture_keys_get_todays_transformer() -> None:
+    """Checkpoints written before model.arch, norm_type, max_relative_distance and rnn existed load unchanged."""
+    raw = to_dict(ExperimentConfig())
+    for key in ("arch", "norm_type", "max_relative_distance", "rnn"):
+        del raw["model"][key]
+    old = from_dict(raw)
+    assert old == ExperimentConfig()
+    assert (old.model.arch, old.model.norm_type, old.model.positions) == ("transformer", "layernorm", "sinusoidal")

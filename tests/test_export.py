@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
+from seq2seq import checkpoint as ckpt
 from seq2seq.cli import main
+from seq2seq.model import build_model
 from seq2seq.translate import Translator
 
 
@@ -63,3 +66,9 @@ def test_export_refuses_bad_requests(trained_run: Path, tmp_path: Path, capsys: 
     assert main(["export", checkpoint, "-o", str(tmp_path / "full")]) == 1
     assert "exists and is not empty" in capsys.readouterr().err
     assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
+    stored = ckpt.read(checkpoint)
+    rope = dataclasses.replace(stored.config, model=dataclasses.replace(stored.config.model, positions="rope"))
+    model = build_model(rope.model, stored.tokenizer.src_vocab_size, stored.tokenizer.tgt_vocab_size)
+    ckpt.save(tmp_path / "rope.pt", ckpt.Checkpoint(rope, stored.tokenizer, model.state_dict()))
+    assert main(["export", str(tmp_path / "rope.pt"), "-o", str(tmp_path / "b")]) == 1
+    assert "model.positions=rope does not export to CTranslate2 yet" in capsys.readouterr().err

@@ -1,5 +1,8 @@
 """Model equivalences: masks, the incremental cache, tied embeddings and embedding scaling.
 
+Every property is checked for each Transformer variant (norms, positions) and each RNN
+(cells, attention scores, one or two directions) that it applies to.
+
 Tiny dimensions, fixed seeds, dropout 0 and eval mode, so every comparison is exact up to float rounding.
 """
 
@@ -13,8 +16,9 @@ import torch
 from torch import Tensor
 from torch.nn.attention import SDPBackend
 
-from seq2seq.config import ModelConfig
-from seq2seq.model import Seq2SeqTransformer, build_model, kernel_scope, training_kernel
+from seq2seq.config import ModelConfig, RNNConfig
+from seq2seq.model import MultiHeadAttention, Seq2SeqModel, build_model, kernel_scope, training_kernel
+from seq2seq.model.rnn import Encoded
 from seq2seq.model.transformer import sinusoidal_table
 from seq2seq.vocab import BOS, EOS, PAD
 
@@ -33,12 +37,47 @@ VARIANTS = {
         "share_all_embeddings": False,
         "share_decoder_embeddings": False,
     },
+    "rmsnorm-pre": {"norm_type": "rmsnorm"},
+    "rmsnorm-post": {"norm_type": "rmsnorm", "norm": "post"},
+    "relative": {"positions": "relative", "max_relative_distance": 3},  # clipped within the test lengths
+    "relative-post-rmsnorm": {"positions": "relative", "norm": "post", "norm_type": "rmsnorm"},
+    "rope": {"positions": "rope"},
+    "rope-post": {"positions": "rope", "norm": "post"},
+}
+RNN_VARIANTS: dict[str, dict[str, Any]] = {
+    "rnn-lstm-none-unidirectional": {"cell": "lstm", "attention": "none", "bidirectional": False},
+    "rnn-gru-none": {"cell": "gru", "attention": "none"},
+    "rnn-lstm-dot": {"cell": "lstm", "attention": "dot"},
+    "rnn-gru-general": {"cell": "gru", "attention": "general", "layers": 1},
+    "rnn-lstm-mlp-untied": {"cell": "lstm", "attention": "mlp", "share_all": False},
 }
 # PyTorch's two CPU attention kernels: flash (its own choice without attention dropout) and math (CPU training's)
 KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}
 
 
-def tiny_model(seed: int = 0, **overrides: Any) -> Seq2SeqTransformer:
+def rnn_overrides(
+    cell: str, attention: str, bidirectional: bool = True, layers: int = 2, share_all: bool = True
+) -> dict[str, Any]:
+    rnn = {"cell": cell, "attention": attention, "bidirectional": bidirectional, "layers": layers, "hidden_size": 12}
+    return {
+        "arch": "rnn",
+        "rnn": RNNConfig(**rnn),
+        "share_all_embeddings": share_all,
+        "share_decoder_embeddings": share_all,
+    }
+
+
+def variant(name: str) -> dict[str, Any]:
+    """The ModelConfig overrides of a named variant, Transformer or RNN."""
+    return VARIANTS[name] if name in VARIANTS else rnn_overrides(**RNN_VARIANTS[name])
+
+
+ALL_VARIANTS = [*VARIANTS, *RNN_VARIANTS]
+# The RNNs do not use PyTorch's attention kernels: one kernel is enough for them.
+WITH_KERNELS = [(v, k) for v in VARIANTS for k in KERNELS] + [(v, "flash") for v in RNN_VARIANTS]
+
+
+def tiny_model(seed: int = 0, **overrides: Any) -> Seq2SeqModel:
     torch.manual_seed(seed)
     cfg = ModelConfig(
         **{
@@ -76,11 +115,10 @@ def target_batch(length: int = 6, seed: int = 2) -> Tensor:
 # Masks.
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("variant", VARIANTS, ids=list(VARIANTS))
+@pytest.mark.parametrize(("name", "kernel"), WITH_KERNELS)
 @torch.no_grad()
-def test_future_target_tokens_do_not_change_earlier_logits(variant: str, kernel: str) -> None:
-    model = tiny_model(**VARIANTS[variant])
+def test_future_target_tokens_do_not_change_earlier_logits(name: str, kernel: str) -> None:
+    model = tiny_model(**variant(name))
     src, mask = source_batch()
     tgt = target_batch()
     changed = tgt.clone()
@@ -91,10 +129,14 @@ def test_future_target_tokens_do_not_change_earlier_logits(variant: str, kernel:
     assert not torch.allclose(after[:, 3:], before[:, 3:], atol=1e-3)  # later positions do see them
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=list(VARIANTS))
+def encoder_states(encoded: Tensor | Encoded) -> Tensor:
+    return encoded.memory if isinstance(encoded, Encoded) else encoded  # (B, S, D or H)
+
+
+@pytest.mark.parametrize("name", ALL_VARIANTS)
 @torch.no_grad()
-def test_source_padding_does_not_change_real_positions(variant: str) -> None:
-    model = tiny_model(**VARIANTS[variant])
+def test_source_padding_does_not_change_real_positions(name: str) -> None:
+    model = tiny_model(**variant(name))
     src, mask = source_batch()
     tgt = target_batch()
     extra = 5
@@ -104,14 +146,17 @@ def test_source_padding_does_not_change_real_positions(variant: str) -> None:
     torch.testing.assert_close(model(padded_src, padded_mask, tgt), model(src, mask, tgt), **CLOSE)
     real = ~mask
     torch.testing.assert_close(
-        model.encode(padded_src, padded_mask)[:, :7][real], model.encode(src, mask)[real], **CLOSE
+        encoder_states(model.encode(padded_src, padded_mask))[:, :7][real],
+        encoder_states(model.encode(src, mask))[real],
+        **CLOSE,
     )
 
 
+@pytest.mark.parametrize("name", ["pre", "relative", "rnn-lstm-none-unidirectional", "rnn-lstm-mlp-untied"])
 @torch.no_grad()
-def test_padded_source_content_is_ignored() -> None:
+def test_padded_source_content_is_ignored(name: str) -> None:
     """Whatever ids sit under the mask, the result is the same: the mask, not PAD's embedding, hides them."""
-    model = tiny_model()
+    model = tiny_model(**variant(name))
     src, mask = source_batch()
     tgt = target_batch()
     garbage = src.masked_fill(mask, 7)
@@ -120,10 +165,11 @@ def test_padded_source_content_is_ignored() -> None:
     assert not torch.allclose(unmasked, model(src, mask, tgt), atol=1e-3)  # without the mask they would matter
 
 
+@pytest.mark.parametrize("name", ["pre", "rnn-gru-none", "rnn-lstm-dot"])
 @torch.no_grad()
-def test_projecting_selected_positions_equals_slicing_all_logits() -> None:
+def test_projecting_selected_positions_equals_slicing_all_logits(name: str) -> None:
     """Training projects only real target tokens to the vocabulary; it must be the same numbers."""
-    model = tiny_model()
+    model = tiny_model(**variant(name))
     src, mask = source_batch()
     tgt = target_batch()
     keep = torch.rand(tgt.shape, generator=torch.Generator().manual_seed(3)) > 0.4
@@ -138,9 +184,10 @@ def test_math_kernel_for_cpu_training_and_pytorchs_choice_elsewhere() -> None:
     assert training_kernel(torch.device("cuda")) is None
 
 
+@pytest.mark.parametrize("name", ["pre", "relative", "rope"])
 @torch.no_grad()
-def test_math_and_flash_kernels_compute_the_same_attention() -> None:
-    model = tiny_model()
+def test_math_and_flash_kernels_compute_the_same_attention(name: str) -> None:
+    model = tiny_model(**variant(name))
     src, mask = source_batch()
     tgt = target_batch()
     with kernel_scope(SDPBackend.FLASH_ATTENTION):
@@ -153,27 +200,27 @@ def test_math_and_flash_kernels_compute_the_same_attention() -> None:
 # Incremental decoding.
 
 
-def decode_incrementally(model: Seq2SeqTransformer, src: Tensor, mask: Tensor, tgt: Tensor) -> Tensor:
+def decode_incrementally(model: Seq2SeqModel, src: Tensor, mask: Tensor, tgt: Tensor) -> Tensor:
     cache = model.init_cache(model.encode(src, mask), mask)
     return torch.stack([model.decode_step(tgt[:, t : t + 1], cache) for t in range(tgt.shape[1])], dim=1)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("variant", VARIANTS, ids=list(VARIANTS))
+@pytest.mark.parametrize(("name", "kernel"), WITH_KERNELS)
 @torch.no_grad()
-def test_cached_decoding_equals_forward(variant: str, kernel: str) -> None:
-    model = tiny_model(**VARIANTS[variant])
+def test_cached_decoding_equals_forward(name: str, kernel: str) -> None:
+    """For rope and relative positions this also proves each step sits at its absolute position."""
+    model = tiny_model(**variant(name))
     src, mask = source_batch()
     tgt = target_batch(length=9)
     with kernel_scope(KERNELS[kernel]):
         torch.testing.assert_close(decode_incrementally(model, src, mask, tgt), model(src, mask, tgt), **CLOSE)
 
 
-@pytest.mark.parametrize("variant", ["pre", "post"])
+@pytest.mark.parametrize("name", ["pre", "post", "relative", "rope", *RNN_VARIANTS])
 @torch.no_grad()
-def test_cache_reorder_and_select_follow_the_rows(variant: str) -> None:
+def test_cache_reorder_and_select_follow_the_rows(name: str) -> None:
     """Beam search reorders hypotheses mid-sentence; the cache must then behave as if they had always been there."""
-    model = tiny_model(**VARIANTS[variant])
+    model = tiny_model(**variant(name))
     src, mask = source_batch()
     tgt = target_batch(length=6)
     expected = model(src, mask, tgt)
@@ -186,7 +233,7 @@ def test_cache_reorder_and_select_follow_the_rows(variant: str) -> None:
     steps = [model.decode_step(tgt[rows, t : t + 1], cache) for t in range(3, 6)]
     torch.testing.assert_close(torch.stack(steps, dim=1), expected[rows, 3:], **CLOSE)
 
-    # `reorder` moves only self-attention state: valid within one sentence's identical sources.
+    # `reorder` moves only the target-side state: valid within one sentence's identical sources.
     same = src[:1].expand(3, -1).contiguous(), mask[:1].expand(3, -1).contiguous()
     expected = model(*same, tgt)
     cache = model.init_cache(model.encode(*same), same[1])
@@ -198,8 +245,9 @@ def test_cache_reorder_and_select_follow_the_rows(variant: str) -> None:
     torch.testing.assert_close(torch.stack(steps, dim=1), expected[order, 3:], **CLOSE)
 
 
-def test_decoding_past_max_positions_is_refused() -> None:
-    model = tiny_model()
+@pytest.mark.parametrize("name", ["pre", "rope", "rnn-lstm-dot"])
+def test_decoding_past_max_positions_is_refused(name: str) -> None:
+    model = tiny_model(**variant(name))
     src, mask = source_batch()
     with pytest.raises(ValueError, match="max_positions"):
         model(src, mask, target_batch(length=33))
@@ -208,7 +256,7 @@ def test_decoding_past_max_positions_is_refused() -> None:
 # Tied embeddings.
 
 
-def embedding_weights(model: Seq2SeqTransformer) -> tuple[Tensor, Tensor, Tensor]:
+def embedding_weights(model: Seq2SeqModel) -> tuple[Tensor, Tensor, Tensor]:
     return (
         model.encoder.embedding.tokens.weight,
         model.decoder.embedding.tokens.weight,
@@ -216,12 +264,15 @@ def embedding_weights(model: Seq2SeqTransformer) -> tuple[Tensor, Tensor, Tensor
     )
 
 
+@pytest.mark.parametrize("arch", ["transformer", "rnn"])
 @pytest.mark.parametrize(
     ("share_all", "share_decoder", "expected_distinct"),
     [(True, True, 1), (False, True, 2), (True, False, 2), (False, False, 3)],
 )
-def test_tied_embeddings_are_one_parameter(share_all: bool, share_decoder: bool, expected_distinct: int) -> None:
-    model = tiny_model(share_all_embeddings=share_all, share_decoder_embeddings=share_decoder)
+def test_tied_embeddings_are_one_parameter(
+    share_all: bool, share_decoder: bool, expected_distinct: int, arch: str
+) -> None:
+    model = tiny_model(share_all_embeddings=share_all, share_decoder_embeddings=share_decoder, arch=arch)
     encoder, decoder, output = embedding_weights(model)
     assert (encoder is decoder) == share_all
     assert (decoder is output) == share_decoder
@@ -290,3 +341,123 @@ def test_pad_embedding_starts_at_zero() -> None:
     model = tiny_model(share_all_embeddings=False, share_decoder_embeddings=False)
     for weight in embedding_weights(model)[:2]:
         assert torch.count_nonzero(weight[PAD]) == 0
+
+
+# Positions inside attention (rope, relative) and the norms.
+
+
+def self_attention_scores(attn: MultiHeadAttention, x: Tensor, q_start: int, k_start: int) -> Tensor:
+    """Scores (B, H, L, L) of x's self-attention with queries at q_start.. and keys at k_start.."""
+    q, k, _ = attn.project_self(x)
+    if attn.rotary is not None:
+        q, k = attn.rotary(q, q_start), attn.rotary(k, k_start)
+    return attn.scores(q, k, q_start, k_start)
+
+
+@pytest.mark.parametrize("positions", ["rope", "relative"])
+@torch.no_grad()
+def test_shifting_every_position_leaves_attention_scores_unchanged(positions: str) -> None:
+    model = tiny_model(positions=positions, max_relative_distance=3)
+    x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(0))
+    for layer in [*model.encoder.layers, *model.decoder.layers]:
+        attn = layer.self_attn
+        base = self_attention_scores(attn, x, 0, 0)
+        for shift in (1, 7, 26):
+            torch.testing.assert_close(self_attention_scores(attn, x, shift, shift), base, **CLOSE)
+        # Moving the queries against the keys does change them: the scores see distances.
+        assert not torch.allclose(self_attention_scores(attn, x, 2, 0), base, atol=1e-3)
+
+
+@torch.no_grad()
+def test_relative_distances_are_clipped() -> None:
+    model = tiny_model(positions="relative", max_relative_distance=2)
+    relative = model.encoder.layers[0].self_attn.relative
+    index = relative.distances(0, 5, 0, 5, torch.device("cpu")) - 2  # clip(j - i, -2, 2)
+    assert index[0].tolist() == [0, 1, 2, 2, 2] and index[4].tolist() == [-2, -2, -2, -1, 0]
+    assert relative.keys.num_embeddings == relative.values.num_embeddings == 5
+
+
+@pytest.mark.parametrize("positions", ["rope", "relative"])
+def test_attention_positions_add_nothing_to_the_embeddings(positions: str) -> None:
+    model = tiny_model(positions=positions)
+    ids = torch.tensor([[BOS, 5, 5]])
+    embedded = model.decoder.embedding(ids)
+    torch.testing.assert_close(embedded[0, 1], embedded[0, 2])  # same token, same vector: positions come later
+    assert not any("positions" in name and "relative" not in name for name in model.state_dict())
+
+
+@pytest.mark.parametrize(("norm_type", "kind"), [("layernorm", torch.nn.LayerNorm), ("rmsnorm", torch.nn.RMSNorm)])
+@pytest.mark.parametrize("norm", ["pre", "post"])
+def test_norm_type_picks_every_norm(norm_type: str, kind: type, norm: str) -> None:
+    model = tiny_model(norm_type=norm_type, norm=norm)
+    norms = [m for m in model.modules() if isinstance(m, (torch.nn.LayerNorm, torch.nn.RMSNorm))]
+    assert norms and all(isinstance(m, kind) for m in norms)
+    # 3 sub-layers per decoder layer, 2 per encoder layer, plus the final norms of a pre-norm stack
+    assert len(norms) == 2 * 2 + 2 * 3 + (2 if norm == "pre" else 0)
+
+
+# Batch invariance and the RNN's own pieces.
+
+
+@pytest.mark.parametrize("name", ["rope", "relative", "rmsnorm-pre", *RNN_VARIANTS])
+@torch.no_grad()
+def test_a_sentence_gets_the_same_logits_alone_and_in_a_batch(name: str) -> None:
+    model = tiny_model(**variant(name))
+    src, mask = source_batch()
+    tgt = target_batch()
+    together = model(src, mask, tgt)
+    for i, n in enumerate([7, 5, 3]):
+        alone = model(src[i : i + 1, :n], mask[i : i + 1, :n], tgt[i : i + 1])
+        torch.testing.assert_close(alone[0], together[i], **CLOSE)
+
+
+@pytest.mark.parametrize("score", ["dot", "general", "mlp"])
+@torch.no_grad()
+def test_rnn_attention_is_a_distribution_over_real_source_positions(score: str) -> None:
+    model = tiny_model(**rnn_overrides("lstm", score))
+    src, mask = source_batch()
+    encoded = model.encode(src, mask)
+    attention = model.decoder.attention
+    keys = attention.keys(encoded.memory)
+    query = torch.randn(3, 12, generator=torch.Generator().manual_seed(0))
+    context, weights = attention(query, keys, encoded.memory, mask)
+    assert (weights[mask] == 0).all()
+    torch.testing.assert_close(weights.sum(dim=-1), torch.ones(3))
+    torch.testing.assert_close(context, torch.einsum("bs,bsh->bh", weights, encoded.memory))
+    assert (encoded.memory[mask] == 0).all()  # packed: padding never ran through the recurrence
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_the_bridge_is_learned_only_for_a_bidirectional_encoder(cell: str) -> None:
+    states = 2 if cell == "lstm" else 1
+    for bidirectional, maps in ((True, states), (False, 0)):
+        model = tiny_model(**rnn_overrides(cell, "none", bidirectional=bidirectional))
+        assert len(model.bridge.maps) == maps
+        encoded = model.encode(*source_batch())
+        assert all(s.shape == (2, 3, 12) for s in encoded.state)  # (layers, B, H), directions side by side
+
+
+@torch.no_grad()
+def test_without_attention_only_the_final_state_reaches_the_decoder() -> None:
+    """The fixed-vector model: a source that ends in the same state gives the same translation."""
+    model = tiny_model(**rnn_overrides("lstm", "none"))
+    src, mask = source_batch()
+    tgt = target_batch()
+    encoded = model.encode(src, mask)
+    cache = model.init_cache(encoded._replace(memory=torch.randn_like(encoded.memory)), mask)
+    torch.testing.assert_close(model.decoder(tgt, cache), model(src, mask, tgt), **CLOSE)
+
+
+@pytest.mark.parametrize("name", ["relative", "rope", "rmsnorm-pre", *RNN_VARIANTS])
+def test_bf16_autocast_trains_and_stays_close_to_fp32(name: str) -> None:
+    """precision=auto picks bf16 on CPUs with native bf16: every variant must run (and backpropagate) under it."""
+    model = tiny_model(**variant(name))
+    src, mask = source_batch()
+    tgt = target_batch()
+    with torch.no_grad():
+        reference = model(src, mask, tgt)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model.train()(src, mask, tgt)
+    logits.float().sum().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    torch.testing.assert_close(logits.float(), reference, atol=0.1, rtol=0.05)

@@ -390,3 +390,28 @@ def test_beam_size_one_is_greedy_on_the_tiny_model(tiny: tuple[torch.nn.Module, 
     greedy = search(model, src, mask, replace(decode, strategy="greedy"), 100)
     assert [s[0].tokens for s in beam] == [s[0].tokens for s in greedy]
     assert [s[0].score for s in beam] == pytest.approx([s[0].score for s in greedy], abs=1e-4)
+
+
+# Every architecture (untrained, so with arbitrary distributions): the search-level proofs.
+
+ARCHITECTURES = ["relative", "rope", "rnn-lstm-none-unidirectional", "rnn-gru-general", "rnn-lstm-mlp-untied"]
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_beam_one_is_greedy_and_the_batch_does_not_matter_for_every_architecture(name: str) -> None:
+    from test_model import source_batch, tiny_model, variant
+
+    model = tiny_model(**variant(name))
+    src, mask = source_batch()
+    decode = cfg(beam_size=1, max_len=8, length_penalty=1.0)
+    beam = search(model, src, mask, replace(decode, strategy="beam"), 31)
+    greedy = search(model, src, mask, replace(decode, strategy="greedy"), 31)
+    assert [s[0].tokens for s in beam] == [s[0].tokens for s in greedy]
+    assert [s[0].score for s in beam] == pytest.approx([s[0].score for s in greedy], abs=1e-4)
+    for strategy in ("beam", "greedy", "sample"):
+        wide = replace(decode, strategy=strategy, beam_size=3, nbest=3)
+        together = search(model, src, mask, wide, 31)
+        for i, n in enumerate([7, 5, 3]):
+            (alone,) = search(model, src[i : i + 1, :n], mask[i : i + 1, :n], wide, 31)
+            assert [h.tokens for h in alone] == [h.tokens for h in together[i]]
+            assert [h.score for h in alone] == pytest.approx([h.score for h in together[i]], abs=1e-4)

@@ -15,7 +15,8 @@ import pytest
 import torch
 from conftest import ROOT
 
-from seq2seq.checkpoint import LAST, read_checkpoint
+from seq2seq import checkpoint as ckpt
+from seq2seq.checkpoint import LAST
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +77,8 @@ def test_resume_on_multi30k_reaches_the_same_weights(multi30k: Path, tmp_path: P
     seq2seq("train", *quickstart(multi30k, whole), *settings, f"train.max_steps={END}", cwd=tmp_path)
     seq2seq("train", *quickstart(multi30k, part), *settings, f"train.max_steps={STOP}", cwd=tmp_path)
     seq2seq("train", *quickstart(multi30k, part), *settings, f"train.max_steps={END}", cwd=tmp_path)
-    a, b = read_checkpoint(whole / LAST), read_checkpoint(part / LAST)
-    assert a["train_state"]["progress"]["step"] == b["train_state"]["progress"]["step"] == END
-    for name, tensor in a["model"].items():
-        assert torch.equal(tensor, b["model"][name]), name
+    a, b = ckpt.read(whole / LAST), ckpt.read(part / LAST)
+    assert a.training is not None and b.training is not None
+    assert a.training.progress.step == b.training.progress.step == END
+    for name, tensor in a.model.items():
+        assert torch.equal(tensor, b.model[name]), name

@@ -182,6 +182,7 @@ def test_rdrop_reaches_the_training_step_and_trains(small: Path, tmp_path: Path)
         (2, 3, 10, ()),
         (1, 5, 40, ("data.sampling_alpha=0.2", "data.sampling_nbest=-1")),
         (2, 3, 10, ("train.rdrop_alpha=2",)),
+        (1, 5, 20, ("model.arch=rnn", "model.rnn.hidden_size=32", "model.rnn.attention=mlp")),
     ],
 )
 def test_resume_reaches_the_same_weights_as_an_uninterrupted_run(

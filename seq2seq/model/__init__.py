@@ -1,8 +1,10 @@
-"""The Transformer encoder-decoder: read transformer.py top to bottom."""
+"""The encoder-decoders: the Transformer (read transformer.py top to bottom) and the RNNs (rnn.py)."""
 
 from seq2seq.model.attention import DecoderCache, LayerCache, MultiHeadAttention, kernel_scope, training_kernel
+from seq2seq.model.build import Seq2SeqModel, build_model
 from seq2seq.model.layers import DecoderLayer, EncoderLayer, FeedForward
-from seq2seq.model.transformer import Seq2SeqTransformer, build_model
+from seq2seq.model.rnn import RNNCache, Seq2SeqRNN
+from seq2seq.model.transformer import Seq2SeqTransformer
 
 __all__ = [
     "DecoderCache",
@@ -11,6 +13,9 @@ __all__ = [
     "FeedForward",
     "LayerCache",
     "MultiHeadAttention",
+    "RNNCache",
+    "Seq2SeqModel",
+    "Seq2SeqRNN",
     "Seq2SeqTransformer",
     "build_model",
     "kernel_scope",

@@ -11,11 +11,14 @@ Masks arrive in one convention everywhere in the package: a boolean
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from seq2seq.model.positions import RelativePositions, RotaryPositions
 
 
 def training_kernel(device: torch.device) -> SDPBackend | None:
@@ -46,15 +49,31 @@ class MultiHeadAttention(nn.Module):
     One (3D, D) weight holds W_Q, W_K and W_V: self-attention projects all three
     in one matmul; cross-attention projects queries from the decoder and keys
     and values from the encoder output (once per sentence when decoding).
+
+    Self-attention may carry positions of its own (`positions`: "rope" or
+    "relative", seq2seq.model.positions). Rotary ones go through PyTorch's
+    attention kernels like the plain ones; relative ones add a term to the
+    values, which no fused kernel computes, so they run the math here.
     """
 
-    def __init__(self, d_model: int, n_heads: int, dropout: float) -> None:
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        dropout: float,
+        positions: str = "",
+        max_positions: int = 0,
+        max_relative_distance: int = 0,
+    ) -> None:
         super().__init__()
         self.n_heads = n_heads
         self.d_model = d_model
         self.dropout = dropout
         self.in_proj = nn.Linear(d_model, 3 * d_model)
         self.out_proj = nn.Linear(d_model, d_model)
+        head_dim = d_model // n_heads
+        self.rotary = RotaryPositions(head_dim, max_positions) if positions == "rope" else None
+        self.relative = RelativePositions(head_dim, max_relative_distance) if positions == "relative" else None
 
     def split_heads(self, x: Tensor) -> Tensor:
         B, L, _ = x.shape
@@ -80,8 +99,51 @@ class MultiHeadAttention(nn.Module):
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=causal
         )  # (B, H, T, Dh)
+        return self.merge_heads(out)
+
+    def merge_heads(self, out: Tensor) -> Tensor:
+        """(B, H, T, Dh) -> W_O applied to the concatenated heads, (B, T, D)."""
         B, _, T, _ = out.shape
         return self.out_proj(out.transpose(1, 2).reshape(B, T, self.d_model))
+
+    def self_attention(
+        self, x: Tensor, mask: Tensor | None = None, causal: bool = False, cache: LayerCache | None = None
+    ) -> Tensor:
+        """Self-attention of x (B, L, D) at positions 0..L-1, or, with `cache`, of the next positions
+        after the cached ones, which it appends to the cache (then every cached key is visible)."""
+        start = 0 if cache is None else cache.length
+        q, k, v = self.project_self(x)
+        if self.rotary is not None:
+            q, k = self.rotary(q, start), self.rotary(k, start)
+        if cache is not None:
+            k, v = cache.append(k, v)
+        if self.relative is None:
+            return self.attend(q, k, v, mask, causal)
+        return self.attend_relative(q, k, v, start, mask, causal)
+
+    def scores(self, q: Tensor, k: Tensor, q_start: int, k_start: int = 0) -> Tensor:
+        """Pre-softmax scores (B, H, Lq, Lk) of queries at q_start.. against keys at k_start..
+
+        Queries and keys arrive rotated already when positions are rotary.
+        """
+        scores = q @ k.transpose(-2, -1)
+        if self.relative is not None:
+            index = self.relative.distances(q_start, q.shape[2], k_start, k.shape[2], q.device)
+            scores = scores + self.relative.score_bias(q, index)
+        return scores / math.sqrt(q.shape[-1])
+
+    def attend_relative(self, q: Tensor, k: Tensor, v: Tensor, start: int, mask: Tensor | None, causal: bool) -> Tensor:
+        """Shaw et al.'s attention for queries at start.. over keys at 0..: (B, H, Lq, Dh) -> (B, Lq, D)."""
+        assert self.relative is not None
+        scores = self.scores(q, k, start)  # (B, H, Lq, Lk)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        if causal:
+            i = torch.arange(start, start + q.shape[2], device=q.device)[:, None]
+            scores = scores.masked_fill(torch.arange(k.shape[2], device=q.device)[None, :] > i, float("-inf"))
+        weights = F.dropout(scores.softmax(dim=-1), self.dropout, self.training)
+        index = self.relative.distances(start, q.shape[2], 0, k.shape[2], q.device)
+        return self.merge_heads(weights @ v + self.relative.value_term(weights, index))
 
 
 class LayerCache:
@@ -96,6 +158,11 @@ class LayerCache:
         self.cross_v = cross_v
         self.self_k: Tensor | None = None  # (B, H, t, Dh)
         self.self_v: Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        """Positions cached so far: the absolute position of the next one."""
+        return 0 if self.self_k is None else self.self_k.shape[2]
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Add this step's keys/values (B, H, 1, Dh); return all of them so far."""

@@ -4,16 +4,36 @@ Notation: B batch, S source length, T target length, D d_model.
 
 post-norm (the 2017 paper): x = LN(x + Dropout(F(x)))
 pre-norm (Xiong et al., 2020): x = x + Dropout(F(LN(x))), with a final LN after the stack.
+LN is LayerNorm, or RMSNorm (Zhang and Sennrich, 2019: no centring, no bias) with `norm_type: rmsnorm`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from seq2seq.model.attention import LayerCache, MultiHeadAttention
+
+
+@dataclass(frozen=True)
+class LayerOptions:
+    """A layer's variants besides its sizes (defaults: the 2017 LayerNorm, no positions inside attention)."""
+
+    norm_type: str = "layernorm"  # layernorm | rmsnorm
+    positions: str = ""  # rope | relative: positions inside self-attention; anything else: none there
+    max_positions: int = 0
+    max_relative_distance: int = 0
+
+    def norm(self, d_model: int) -> nn.Module:
+        return nn.RMSNorm(d_model, eps=1e-5) if self.norm_type == "rmsnorm" else nn.LayerNorm(d_model)
+
+    def self_attention(self, d_model: int, n_heads: int, dropout: float) -> MultiHeadAttention:
+        return MultiHeadAttention(
+            d_model, n_heads, dropout, self.positions, self.max_positions, self.max_relative_distance
+        )
 
 
 class FeedForward(nn.Module):
@@ -32,11 +52,11 @@ class FeedForward(nn.Module):
 
 
 class Residual(nn.Module):
-    """A sub-layer wrapped in dropout, a residual connection and LayerNorm."""
+    """A sub-layer wrapped in dropout, a residual connection and LayerNorm (or RMSNorm)."""
 
-    def __init__(self, d_model: int, dropout: float, norm_first: bool) -> None:
+    def __init__(self, d_model: int, dropout: float, norm_first: bool, norm: nn.Module | None = None) -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(d_model)
+        self.norm = norm if norm is not None else nn.LayerNorm(d_model)
         self.dropout = nn.Dropout(dropout)
         self.norm_first = norm_first
 
@@ -57,16 +77,17 @@ class EncoderLayer(nn.Module):
         activation_dropout: float,
         activation: str,
         norm_first: bool,
+        options: LayerOptions = LayerOptions(),
     ) -> None:
         super().__init__()
-        self.self_attn = MultiHeadAttention(d_model, n_heads, attention_dropout)
+        self.self_attn = options.self_attention(d_model, n_heads, attention_dropout)
         self.ffn = FeedForward(d_model, d_ff, activation_dropout, activation)
-        self.attn_block = Residual(d_model, dropout, norm_first)
-        self.ffn_block = Residual(d_model, dropout, norm_first)
+        self.attn_block = Residual(d_model, dropout, norm_first, options.norm(d_model))
+        self.ffn_block = Residual(d_model, dropout, norm_first, options.norm(d_model))
 
     def forward(self, x: Tensor, mask: Tensor) -> Tensor:
         """x: (B, S, D); mask: (B, 1, 1, S) True where attention is allowed."""
-        x = self.attn_block(x, lambda h: self.self_attn.attend(*self.self_attn.project_self(h), mask=mask))
+        x = self.attn_block(x, lambda h: self.self_attn.self_attention(h, mask=mask))
         return self.ffn_block(x, self.ffn)
 
 
@@ -81,31 +102,26 @@ class DecoderLayer(nn.Module):
         activation_dropout: float,
         activation: str,
         norm_first: bool,
+        options: LayerOptions = LayerOptions(),
     ) -> None:
         super().__init__()
-        self.self_attn = MultiHeadAttention(d_model, n_heads, attention_dropout)
+        self.self_attn = options.self_attention(d_model, n_heads, attention_dropout)
         self.cross_attn = MultiHeadAttention(d_model, n_heads, attention_dropout)
         self.ffn = FeedForward(d_model, d_ff, activation_dropout, activation)
-        self.self_block = Residual(d_model, dropout, norm_first)
-        self.cross_block = Residual(d_model, dropout, norm_first)
-        self.ffn_block = Residual(d_model, dropout, norm_first)
+        self.self_block = Residual(d_model, dropout, norm_first, options.norm(d_model))
+        self.cross_block = Residual(d_model, dropout, norm_first, options.norm(d_model))
+        self.ffn_block = Residual(d_model, dropout, norm_first, options.norm(d_model))
 
     def forward(self, x: Tensor, memory: Tensor, memory_mask: Tensor) -> Tensor:
         """Teacher-forced pass. x: (B, T, D); memory: (B, S, D); memory_mask: (B, 1, 1, S)."""
-        x = self.self_block(x, lambda h: self.self_attn.attend(*self.self_attn.project_self(h), causal=True))
+        x = self.self_block(x, lambda h: self.self_attn.self_attention(h, causal=True))
         k, v = self.cross_attn.project_memory(memory)
         x = self.cross_block(x, lambda h: self.cross_attn.attend(self.cross_attn.project_query(h), k, v, memory_mask))
         return self.ffn_block(x, self.ffn)
 
     def step(self, x: Tensor, cache: LayerCache, memory_mask: Tensor) -> Tensor:
         """One incremental position. x: (B, 1, D); appends this step's keys/values to `cache`."""
-
-        def self_attention(h: Tensor) -> Tensor:
-            q, k, v = self.self_attn.project_self(h)
-            k, v = cache.append(k, v)
-            return self.self_attn.attend(q, k, v)  # a single query may see every cached position
-
-        x = self.self_block(x, self_attention)
+        x = self.self_block(x, lambda h: self.self_attn.self_attention(h, cache=cache))
         x = self.cross_block(
             x,
             lambda h: self.cross_attn.attend(

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from seq2seq.config import ModelConfig
 from seq2seq.model.attention import DecoderCache, LayerCache, attention_mask
-from seq2seq.model.layers import DecoderLayer, EncoderLayer
+from seq2seq.model.layers import DecoderLayer, EncoderLayer, LayerOptions
 from seq2seq.vocab import PAD
 
 
@@ -31,21 +31,26 @@ def sinusoidal_table(n_positions: int, d_model: int) -> Tensor:
 
 
 class Embedding(nn.Module):
-    """Token embedding scaled by sqrt(D), plus a position encoding, then dropout."""
+    """Token embedding scaled by sqrt(D), plus a position encoding, then dropout.
 
-    table: Tensor  # (max_positions, D) sinusoidal encodings: a buffer, not saved in checkpoints
+    `positions`: sinusoidal or learned are added here; relative and rope live in
+    self-attention instead (seq2seq.model.positions), and an RNN ("none") needs
+    none, so nothing is added for them. The length check holds for all.
+    """
 
-    def __init__(self, tokens: nn.Embedding, d_model: int, max_positions: int, learned: bool, dropout: float) -> None:
+    table: Tensor | None  # (max_positions, D) sinusoidal encodings: a buffer, not saved in checkpoints
+
+    def __init__(self, tokens: nn.Embedding, d_model: int, max_positions: int, positions: str, dropout: float) -> None:
         super().__init__()
         self.tokens = tokens
         self.scale = math.sqrt(d_model)
         self.max_positions = max_positions
-        if learned:
-            self.positions: nn.Embedding | None = nn.Embedding(max_positions, d_model)
+        self.positions: nn.Embedding | None = None
+        if positions == "learned":
+            self.positions = nn.Embedding(max_positions, d_model)
             nn.init.normal_(self.positions.weight, std=d_model**-0.5)
-        else:
-            self.positions = None
-            self.register_buffer("table", sinusoidal_table(max_positions, d_model), persistent=False)
+        table = sinusoidal_table(max_positions, d_model) if positions == "sinusoidal" else None
+        self.register_buffer("table", table, persistent=False)
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, ids: Tensor, start: int = 0) -> Tensor:
@@ -53,11 +58,12 @@ class Embedding(nn.Module):
         length = ids.shape[1]
         if start + length > self.max_positions:
             raise ValueError(f"sequence of {start + length} positions exceeds model.max_positions={self.max_positions}")
+        x = self.tokens(ids) * self.scale
         if self.positions is not None:
-            pos = self.positions.weight[start : start + length]
-        else:
-            pos = self.table[start : start + length]
-        return self.dropout(self.tokens(ids) * self.scale + pos)
+            x = x + self.positions.weight[start : start + length]
+        elif self.table is not None:
+            x = x + self.table[start : start + length]
+        return self.dropout(x)
 
 
 class Encoder(nn.Module):
@@ -138,14 +144,11 @@ class Seq2SeqTransformer(nn.Module):
         return self.decoder.embedding.max_positions
 
 
-def build_model(cfg: ModelConfig, src_vocab_size: int, tgt_vocab_size: int) -> Seq2SeqTransformer:
-    """The model a config describes, with fairseq-style initialisation."""
-    if cfg.share_all_embeddings and src_vocab_size != tgt_vocab_size:
-        raise ValueError("model.share_all_embeddings needs one vocabulary for both languages")
+def build_transformer(cfg: ModelConfig, src_vocab_size: int, tgt_vocab_size: int) -> Seq2SeqTransformer:
+    """The Transformer a config describes, with fairseq-style initialisation."""
     d = cfg.d_model
-    tgt_tokens = _token_embedding(tgt_vocab_size, d)
-    src_tokens = tgt_tokens if cfg.share_all_embeddings else _token_embedding(src_vocab_size, d)
-    learned = cfg.positions == "learned"
+    src_tokens, tgt_tokens = token_embeddings(cfg, src_vocab_size, tgt_vocab_size)
+    options = LayerOptions(cfg.norm_type, cfg.positions, cfg.max_positions, cfg.max_relative_distance)
     layer_args = (
         d,
         cfg.n_heads,
@@ -155,25 +158,42 @@ def build_model(cfg: ModelConfig, src_vocab_size: int, tgt_vocab_size: int) -> S
         cfg.activation_dropout,
         cfg.activation,
         cfg.norm == "pre",
+        options,
     )
     encoder_layers = [EncoderLayer(*layer_args) for _ in range(cfg.encoder_layers)]
     decoder_layers = [DecoderLayer(*layer_args) for _ in range(cfg.decoder_layers)]
     for module in [*encoder_layers, *decoder_layers]:
         _init_linear(module)
-    output = nn.Linear(d, tgt_vocab_size, bias=False)
+    output = output_layer(cfg, tgt_tokens, tgt_vocab_size)
+
+    def final_norm() -> nn.Module:
+        return options.norm(d) if cfg.norm == "pre" else nn.Identity()
+
+    def embedding(tokens: nn.Embedding) -> Embedding:
+        return Embedding(tokens, d, cfg.max_positions, cfg.positions, cfg.dropout)
+
+    encoder = Encoder(embedding(src_tokens), encoder_layers, final_norm())
+    decoder = Decoder(embedding(tgt_tokens), decoder_layers, final_norm(), output)
+    return Seq2SeqTransformer(encoder, decoder)
+
+
+def token_embeddings(cfg: ModelConfig, src_vocab_size: int, tgt_vocab_size: int) -> tuple[nn.Embedding, nn.Embedding]:
+    """Source and target token embeddings: one matrix with model.share_all_embeddings."""
+    if cfg.share_all_embeddings and src_vocab_size != tgt_vocab_size:
+        raise ValueError("model.share_all_embeddings needs one vocabulary for both languages")
+    tgt_tokens = _token_embedding(tgt_vocab_size, cfg.d_model)
+    src_tokens = tgt_tokens if cfg.share_all_embeddings else _token_embedding(src_vocab_size, cfg.d_model)
+    return src_tokens, tgt_tokens
+
+
+def output_layer(cfg: ModelConfig, tgt_tokens: nn.Embedding, tgt_vocab_size: int) -> nn.Linear:
+    """The (V, D) output projection, tied to the target embedding with model.share_decoder_embeddings."""
+    output = nn.Linear(cfg.d_model, tgt_vocab_size, bias=False)
     if cfg.share_decoder_embeddings:
         output.weight = tgt_tokens.weight
     else:
-        nn.init.normal_(output.weight, std=d**-0.5)
-
-    def final_norm() -> nn.Module:
-        return nn.LayerNorm(d) if cfg.norm == "pre" else nn.Identity()
-
-    encoder = Encoder(Embedding(src_tokens, d, cfg.max_positions, learned, cfg.dropout), encoder_layers, final_norm())
-    decoder = Decoder(
-        Embedding(tgt_tokens, d, cfg.max_positions, learned, cfg.dropout), decoder_layers, final_norm(), output
-    )
-    return Seq2SeqTransformer(encoder, decoder)
+        nn.init.normal_(output.weight, std=cfg.d_model**-0.5)
+    return output
 
 
 def _token_embedding(vocab_size: int, d_model: int) -> nn.Embedding:

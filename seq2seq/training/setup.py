@@ -14,7 +14,7 @@ from seq2seq.config import DataConfig, ExperimentConfig, TrainConfig, to_dict
 from seq2seq.data import encode_corpus, read_parallel
 from seq2seq.device import resolve_device, resolve_precision
 from seq2seq.errors import TrainingError
-from seq2seq.model import Seq2SeqTransformer, build_model
+from seq2seq.model import Seq2SeqModel, build_model
 from seq2seq.run_dir import RunDirectory
 from seq2seq.tokenizer import Tokenizer, train_tokenizer
 from seq2seq.training import distributed as dist
@@ -68,7 +68,7 @@ def training_data(cfg: ExperimentConfig, tokenizer: Tokenizer) -> EpochSource:
 
 
 def build_validator(
-    cfg: ExperimentConfig, tokenizer: Tokenizer, model: Seq2SeqTransformer, precision: str, device: torch.device
+    cfg: ExperimentConfig, tokenizer: Tokenizer, model: Seq2SeqModel, precision: str, device: torch.device
 ) -> Validator:
     """Validation on the valid split, encoded up to the model's length with the best segmentation."""
     d, t = cfg.data, cfg.train
@@ -82,7 +82,7 @@ def build_validator(
 
 def build_training_model(
     cfg: ExperimentConfig, tokenizer: Tokenizer, device: torch.device, precision: str
-) -> tuple[Seq2SeqTransformer, torch.optim.Optimizer, torch.amp.GradScaler]:
+) -> tuple[Seq2SeqModel, torch.optim.Optimizer, torch.amp.GradScaler]:
     torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
     model = build_model(cfg.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size).to(device)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")

@@ -17,7 +17,7 @@ from seq2seq import metrics
 from seq2seq.config import DecodeConfig
 from seq2seq.data import EncodedCorpus, collate, make_batches
 from seq2seq.device import autocast
-from seq2seq.model import Seq2SeqTransformer
+from seq2seq.model import Seq2SeqModel
 from seq2seq.tokenizer import Tokenizer
 from seq2seq.training.loss import batch_loss
 from seq2seq.translate import Translator
@@ -25,7 +25,7 @@ from seq2seq.translate import Translator
 
 @torch.no_grad()
 def loss_scores(
-    model: Seq2SeqTransformer,
+    model: Seq2SeqModel,
     data: EncodedCorpus,
     max_tokens: int,
     epsilon: float,
@@ -48,7 +48,7 @@ def loss_scores(
 
 
 def translations(
-    model: Seq2SeqTransformer, tokenizer: Tokenizer, decode: DecodeConfig, sources: Sequence[str], device: torch.device
+    model: Seq2SeqModel, tokenizer: Tokenizer, decode: DecodeConfig, sources: Sequence[str], device: torch.device
 ) -> list[str]:
     """Detokenized translations with `decode.valid_strategy` (greedy or beam).
 
@@ -73,7 +73,7 @@ class Validator:
 
     def __init__(
         self,
-        model: Seq2SeqTransformer,
+        model: Seq2SeqModel,
         tokenizer: Tokenizer,
         corpus: EncodedCorpus,
         text: tuple[Sequence[str], Sequence[str]],  # (sources, references)

@@ -1,0 +1,73 @@
+"""Positions inside self-attention: rotary embeddings and relative position representations.
+
+Notation: B batch, H heads, L length, Dh head dim.
+
+Both make a self-attention score depend on the distance j - i between query i
+and key j, never on i or j themselves, so shifting every position by a constant
+changes nothing (tests/test_model.py proves it). Absolute positions still have to
+be right when decoding incrementally: the query of step t sits at position t.
+Cross-attention gets no positions: its queries and keys live in different sentences.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+class RotaryPositions(nn.Module):
+    """RoPE (Su et al., 2021): rotate each pair (x_m, x_m+Dh/2) of a query or key by position * theta_m.
+
+    q(i) . k(j) after rotation is a function of q, k and j - i only, and it
+    leaves the vectors' norms alone; it works with every attention kernel
+    because it only changes Q and K before they get there.
+    """
+
+    cos: Tensor  # (max_positions, Dh): buffers, recomputed at build time, not saved in checkpoints
+    sin: Tensor
+
+    def __init__(self, head_dim: int, max_positions: int, base: float = 10000.0) -> None:
+        super().__init__()
+        inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)  # (Dh/2,)
+        angles = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq  # (P, Dh/2)
+        angles = torch.cat([angles, angles], dim=-1)  # (P, Dh): pair m with m + Dh/2
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: Tensor, start: int) -> Tensor:
+        """x: (B, H, L, Dh) at positions start .. start+L-1 -> rotated, same shape."""
+        length, half = x.shape[2], x.shape[3] // 2
+        cos, sin = self.cos[start : start + length].to(x.dtype), self.sin[start : start + length].to(x.dtype)
+        rotated_half = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated_half * sin
+
+
+class RelativePositions(nn.Module):
+    """Shaw et al. (2018): learned vectors for the clipped distance clip(j - i, -k, k), added to keys and values.
+
+    e_ij = q_i . (k_j + a^K_ij) / sqrt(Dh) and z_i = sum_j alpha_ij (v_j + a^V_ij),
+    with a^K, a^V shared by the heads of a layer (as in the paper). Clipping
+    lets a model trained on short sentences read longer ones.
+    """
+
+    def __init__(self, head_dim: int, max_distance: int) -> None:
+        super().__init__()
+        self.max_distance = max_distance
+        self.keys = nn.Embedding(2 * max_distance + 1, head_dim)
+        self.values = nn.Embedding(2 * max_distance + 1, head_dim)
+        nn.init.normal_(self.keys.weight, std=head_dim**-0.5)
+        nn.init.normal_(self.values.weight, std=head_dim**-0.5)
+
+    def distances(self, q_start: int, q_len: int, k_start: int, k_len: int, device: torch.device) -> Tensor:
+        """Indices (Lq, Lk) of clip(j - i) for queries at q_start.. and keys at k_start.."""
+        i = torch.arange(q_start, q_start + q_len, device=device)[:, None]
+        j = torch.arange(k_start, k_start + k_len, device=device)[None, :]
+        return (j - i).clamp(-self.max_distance, self.max_distance) + self.max_distance
+
+    def score_bias(self, q: Tensor, index: Tensor) -> Tensor:
+        """q . a^K_ij for q (B, H, Lq, Dh) -> (B, H, Lq, Lk); scaled like the content scores by the caller."""
+        return torch.einsum("bhqd,qkd->bhqk", q, self.keys(index).to(q.dtype))
+
+    def value_term(self, weights: Tensor, index: Tensor) -> Tensor:
+        """sum_j alpha_ij a^V_ij for weights (B, H, Lq, Lk) -> (B, H, Lq, Dh)."""
+        return torch.einsum("bhqk,qkd->bhqd", weights, self.values(index).to(weights.dtype))
