@@ -1,4 +1,4 @@
-"""The `seq2seq` command: download, train, translate, evaluate, average.
+"""The `seq2seq` command: download, train, translate, evaluate, average, serve.
 
 Each subcommand parses its arguments and calls one library function. Known
 problems (bad config, bad data, unusable checkpoint) end with one line on
@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, BinaryIO
 from seq2seq.config import MAX_THREADS, apply_overrides, load_config
 from seq2seq.data import decode_lines, read_lines
 from seq2seq.errors import ConfigError, DataError, UserError
+from seq2seq.serve import options as serve_options
 
 if TYPE_CHECKING:
     from seq2seq.config import DataConfig
@@ -112,6 +113,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--last", type=int, default=5, help="how many step checkpoints (default: 5)")
     p.add_argument("--output", "-o", required=True, help="averaged checkpoint to write")
     p.set_defaults(run=_average)
+
+    p = sub.add_parser("serve", help="an HTTP translation service for a checkpoint, with dynamic batching")
+    _add_model_args(p)
+    serve_options.add_arguments(p)
+    p.set_defaults(run=_serve)
     return parser
 
 
@@ -392,3 +398,13 @@ def _average(args: argparse.Namespace) -> int:
     average_checkpoints(paths, args.output)
     log.info("averaged %d checkpoints (%s) into %s", len(paths), ", ".join(p.name for p in paths), args.output)
     return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """The model loads once the port is bound, so that a busy port fails before a long load."""
+    options = serve_options.ServeOptions.from_args(args)
+    serve_options.require_extra()
+    from seq2seq.serve.engine import TorchEngine
+    from seq2seq.serve.server import serve
+
+    return serve(lambda: TorchEngine(_translator(args)), options)
