@@ -109,7 +109,8 @@ class _Service:
         return JSONResponse({"translations": [_render(r, parsed.scores, nbest) for r in results]})
 
     async def health(self, request: Request) -> Response:
-        return JSONResponse({"status": "ok", "in_flight": self.batcher.in_flight, "waiting": self.batcher.waiting})
+        b = self.batcher
+        return JSONResponse({"status": "ok", "in_flight": b.in_flight, "waiting": b.waiting, "batches": b.batches})
 
     async def info(self, request: Request) -> Response:
         o = self.options
