@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -124,9 +125,13 @@ class Batcher:
         lines = [line for job in batch for line in job.lines]
         loop = asyncio.get_running_loop()
         self.batches += 1
-        log.debug("batch %d: %d requests, %d lines", self.batches, len(batch), len(lines))
+        started = time.perf_counter()
         try:
             results = await loop.run_in_executor(self._executor, self.engine.translate, lines, batch[0].settings)
+            log.debug(
+                "batch %d: %d requests, %d lines, %.1f ms",
+                *(self.batches, len(batch), len(lines), (time.perf_counter() - started) * 1000),
+            )
         except Exception as e:  # reported to each caller, who logs it with an error id
             for job in batch:
                 if not job.result.done():
