@@ -1,4 +1,4 @@
-"""The `seq2seq` command: download, train, translate, evaluate, average.
+"""The `seq2seq` command: download, train, translate, evaluate, average, serve.
 
 Each subcommand parses its arguments and calls one library function. Known
 problems (bad config, bad data, unusable checkpoint) end with one line on
@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, BinaryIO
 from seq2seq.config import MAX_THREADS, apply_overrides, load_config
 from seq2seq.data import decode_lines, read_lines
 from seq2seq.errors import ConfigError, DataError, UserError
+from seq2seq.serve import options as serve_options
 
 if TYPE_CHECKING:
     from seq2seq.config import DataConfig
@@ -119,6 +120,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--output", "-o", required=True, help="model directory to create")
     p.add_argument("--quantization", default="float32", help="weights: float32 (default), int8, int8_float32, ...")
     p.set_defaults(run=_export)
+
+    p = sub.add_parser("serve", help="an HTTP translation service for a checkpoint, with dynamic batching")
+    _add_model_args(p)
+    serve_options.add_arguments(p)
+    p.set_defaults(run=_serve)
     return parser
 
 
@@ -407,3 +413,13 @@ def _export(args: argparse.Namespace) -> int:
     output = export_ctranslate2(args.checkpoint, args.output, args.quantization)
     log.info("exported %s to %s (CTranslate2, %s)", args.checkpoint, output, args.quantization)
     return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """The model loads once the port is bound, so that a busy port fails before a long load."""
+    options = serve_options.ServeOptions.from_args(args)
+    serve_options.require_extra()
+    from seq2seq.serve.engine import TorchEngine
+    from seq2seq.serve.server import serve
+
+    return serve(lambda: TorchEngine(_translator(args)), options)

@@ -13,9 +13,10 @@ import dataclasses
 import difflib
 import math
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 
@@ -23,6 +24,7 @@ from seq2seq.errors import ConfigError
 
 INT_LIMIT = 2**63  # every int setting reaches torch or C code as a 64-bit integer at most
 MAX_THREADS = 1024  # torch.set_num_threads takes a C int; more threads than this is a typo
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -450,6 +452,11 @@ def apply_overrides(cfg: ExperimentConfig, overrides: list[str], source: str = "
     for item in overrides:
         _apply_override(raw, item)
     return from_dict(raw, source)
+
+
+def replace_checked(section: T, changes: Mapping[str, Any], source: str, prefix: str) -> T:
+    """`dataclasses.replace` with the changed values checked as a config file's are: names, types, ranges."""
+    return typing.cast(T, _build(type(section), {**to_dict(section), **changes}, source, prefix))
 
 
 def save_config(cfg: ExperimentConfig, path: str | Path) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from seq2seq.checkpoint import load_checkpoint
-from seq2seq.config import DataConfig, DecodeConfig, from_dict, to_dict
+from seq2seq.config import DataConfig, DecodeConfig, from_dict, replace_checked, to_dict
 from seq2seq.data import make_batches, pad
 from seq2seq.model import Seq2SeqModel
 from seq2seq.search import Hypothesis, search
@@ -85,7 +85,7 @@ class Translator:
     def with_decode(self, **changes: Any) -> Translator:
         """The same model and tokenizer with some decode settings changed (and checked again)."""
         translator = copy.copy(self)
-        translator.decode = replace(self.decode, **changes)
+        translator.decode = replace_checked(self.decode, changes, "decode settings", "decode.")
         return translator
 
     def translate(self, lines: Sequence[str]) -> list[str]:

@@ -1,0 +1,144 @@
+"""Dynamic batching: concurrent requests with the same decode settings are decoded together.
+
+Requests wait in arrival order. The batcher takes the oldest one and every
+later one with the same settings, up to a token budget, once the waiting
+requests fill that budget or the oldest has waited `max_wait` seconds. One
+worker thread decodes (torch already spreads each batch over the cores), so
+the event loop stays free to accept requests and answer /health. Requests that
+ask for other settings wait for a batch of their own: settings are never mixed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from seq2seq.config import DecodeConfig
+from seq2seq.serve.engine import Engine
+from seq2seq.translate import Translation
+
+log = logging.getLogger(__name__)
+
+
+class Busy(Exception):
+    """Too many requests are waiting: the client should retry later (HTTP 503)."""
+
+
+@dataclass
+class _Job:
+    lines: list[str]
+    settings: DecodeConfig
+    tokens: int
+    arrived: float  # event-loop time
+    result: asyncio.Future[list[Translation]]
+
+
+class Batcher:
+    def __init__(self, engine: Engine, max_tokens: int, max_wait: float, max_queue: int) -> None:
+        self.engine = engine
+        self.max_tokens = max_tokens
+        self.max_wait = max_wait
+        self.max_queue = max_queue
+        self.in_flight = 0  # requests submitted and not yet answered
+        self.batches = 0  # engine calls so far
+        self._waiting: deque[_Job] = deque()
+        self._arrived = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode")
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="batcher")
+
+    async def stop(self) -> None:
+        """Stop taking batches; a batch being decoded finishes first (its thread cannot be interrupted)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for job in self._waiting:
+            if not job.result.done():
+                job.result.set_exception(Busy("the server is shutting down"))
+        self._waiting.clear()
+        await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)
+
+    async def translate(self, lines: list[str], settings: DecodeConfig, tokens: int) -> list[Translation]:
+        """Queue `lines` (`tokens` source subwords in all) and wait for their translations, in order."""
+        if len(self._waiting) >= self.max_queue:
+            raise Busy(f"{len(self._waiting)} requests are waiting; retry later")
+        loop = asyncio.get_running_loop()
+        job = _Job(lines, settings, tokens, loop.time(), loop.create_future())
+        self._waiting.append(job)
+        self._arrived.set()
+        self.in_flight += 1
+        try:
+            return await job.result
+        finally:
+            self.in_flight -= 1
+
+    async def _run(self) -> None:
+        while True:
+            await self._gather()
+            batch = self._take()
+            if batch:
+                await self._decode(batch)
+
+    async def _gather(self) -> None:
+        """Wait until requests fill the token budget, or the oldest has waited max_wait seconds."""
+        loop = asyncio.get_running_loop()
+        while not self._waiting:
+            self._arrived.clear()
+            await self._arrived.wait()
+        deadline = self._waiting[0].arrived + self.max_wait
+        while sum(job.tokens for job in self._waiting) < self.max_tokens and loop.time() < deadline:
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), deadline - loop.time())
+            except asyncio.TimeoutError:
+                break
+
+    def _take(self) -> list[_Job]:
+        """The oldest live request and the later ones with the same settings that fit the token budget."""
+        batch: list[_Job] = []
+        tokens = 0
+        rest: deque[_Job] = deque()
+        for job in self._waiting:
+            if job.result.done():  # the client went away
+                continue
+            fits = not batch or (job.settings == batch[0].settings and tokens + job.tokens <= self.max_tokens)
+            if fits:
+                batch.append(job)
+                tokens += job.tokens
+            else:
+                rest.append(job)
+        self._waiting = rest
+        return batch
+
+    async def _decode(self, batch: list[_Job]) -> None:
+        """Decode the batch in the worker thread and hand each request its own slice of the results."""
+        lines = [line for job in batch for line in job.lines]
+        loop = asyncio.get_running_loop()
+        self.batches += 1
+        started = time.perf_counter()
+        try:
+            results = await loop.run_in_executor(self._executor, self.engine.translate, lines, batch[0].settings)
+            log.debug(
+                "batch %d: %d requests, %d lines, %.1f ms",
+                *(self.batches, len(batch), len(lines), (time.perf_counter() - started) * 1000),
+            )
+        except Exception as e:  # reported to each caller, who logs it with an error id
+            for job in batch:
+                if not job.result.done():
+                    job.result.set_exception(e)
+            return
+        start = 0
+        for job in batch:
+            if not job.result.done():
+                job.result.set_result(results[start : start + len(job.lines)])
+            start += len(job.lines)

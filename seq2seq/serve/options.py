@@ -1,0 +1,83 @@
+"""The server's own settings: request limits, batching, shutdown. Stdlib only, so the CLI parser can use it."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from seq2seq.errors import ConfigError, UserError
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    max_lines: int = 64  # lines per request
+    max_chars: int = 1000  # characters per line
+    max_body: int = 1_000_000  # bytes per request body
+    max_beam: int = 16  # the largest beam_size a request may ask for
+    batch_tokens: int = 0  # source subwords per batch; 0: the checkpoint's decode.max_tokens
+    batch_wait_ms: float = 5.0  # how long the oldest waiting request may wait for others to join it
+    max_queue: int = 1000  # requests waiting for the decoder; more are refused with 503
+    shutdown_timeout: int = 30  # seconds to finish in-flight requests after SIGTERM/SIGINT
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.port <= 65535, "--port", "must be in [0, 65535]")
+        for name in ("max_lines", "max_chars", "max_body", "max_beam", "max_queue"):
+            _require(getattr(self, name) >= 1, f"--{name.replace('_', '-')}", "must be at least 1")
+        _require(self.batch_tokens >= 0, "--batch-tokens", "must be >= 0")
+        _require(0 <= self.batch_wait_ms <= 1000, "--batch-wait-ms", "must be in [0, 1000]")
+        _require(0 <= self.shutdown_timeout <= 3600, "--shutdown-timeout", "must be in [0, 3600]")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServeOptions:
+        names = cls.__dataclass_fields__
+        return cls(**{name: getattr(args, name) for name in names})
+
+
+def _require(ok: bool, option: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{option} {message}")
+
+
+def require_extra() -> None:
+    """The server's dependencies, or one line saying how to install them."""
+    import importlib.util
+
+    for module in ("starlette", "uvicorn"):
+        if importlib.util.find_spec(module) is None:
+            raise UserError(f"seq2seq serve needs {module}: pip install 'seq2seq[serve]'")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `serve` subcommand's options beyond the model's (--checkpoint, --device, --threads, decode.*)."""
+    d = ServeOptions()
+    parser.add_argument("--host", default=d.host, help=f"address to listen on (default: {d.host})")
+    parser.add_argument("--port", type=int, default=d.port, help=f"port (default: {d.port}; 0: any free one)")
+    limits = parser.add_argument_group("limits")
+    limits.add_argument("--max-lines", type=int, default=d.max_lines, help=f"lines per request ({d.max_lines})")
+    limits.add_argument("--max-chars", type=int, default=d.max_chars, help=f"characters per line ({d.max_chars})")
+    limits.add_argument("--max-body", type=int, default=d.max_body, help=f"bytes per request body ({d.max_body})")
+    limits.add_argument("--max-beam", type=int, default=d.max_beam, help=f"largest beam_size option ({d.max_beam})")
+    limits.add_argument(
+        "--max-queue", type=int, default=d.max_queue, help=f"waiting requests before 503 ({d.max_queue})"
+    )
+    batching = parser.add_argument_group("batching")
+    batching.add_argument(
+        "--batch-tokens",
+        type=int,
+        default=d.batch_tokens,
+        help="source subwords decoded together (default: the checkpoint's decode.max_tokens)",
+    )
+    batching.add_argument(
+        "--batch-wait-ms",
+        type=float,
+        default=d.batch_wait_ms,
+        help=f"how long a request may wait for others to share its batch ({d.batch_wait_ms:g})",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=int,
+        default=d.shutdown_timeout,
+        help=f"seconds to finish in-flight requests on SIGTERM/SIGINT ({d.shutdown_timeout})",
+    )
