@@ -47,6 +47,8 @@ class DataConfig:
     # alpha over the sampling_nbest best segmentations, BPE a dropout probability.
     sampling_alpha: float = 0.0
     sampling_nbest: int = 64  # -1: all segmentations
+    spm_sample: int = 1_000_000  # sentences SentencePiece trains on at most (a uniform sample of the training text)
+    prepared_dir: str = ""  # where `seq2seq prepare` writes the training data; "": {train.run_dir}/prepared
 
     def __post_init__(self) -> None:
         _require(self.vocab_size >= 8, "data.vocab_size", "must be at least 8")
@@ -58,6 +60,7 @@ class DataConfig:
             "is a dropout probability for BPE and must be below 1",
         )
         _require(self.sampling_nbest == -1 or self.sampling_nbest >= 2, "data.sampling_nbest", "must be -1 or >= 2")
+        _require(self.spm_sample >= 2, "data.spm_sample", "must be at least 2")
         _require(self.src_lang != self.tgt_lang, "data.tgt_lang", "must differ from data.src_lang")
         for key in ("dir", "src_lang", "tgt_lang", "train", "valid", "test"):
             _require_text(getattr(self, key), f"data.{key}")
@@ -135,9 +138,11 @@ class TrainConfig:
     log_every: int = 50
     max_bad_steps: int = 20  # consecutive non-finite losses before giving up
     deterministic: bool = False
+    num_workers: int = 0  # DataLoader processes collating batches while the model trains; 0: in this process
 
     def __post_init__(self) -> None:
         _require_text(self.run_dir, "train.run_dir")
+        _require(0 <= self.num_workers <= 64, "train.num_workers", "must be in [0, 64]")
         _require_seed(self.seed, "train.seed")
         _require(self.max_tokens >= 16, "train.max_tokens", "must be at least 16")
         _require(self.update_freq >= 1, "train.update_freq", "must be at least 1")
