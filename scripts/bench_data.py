@@ -11,6 +11,8 @@ then, each in its own process with the quickstart model:
 2. `seq2seq train` on the prepared data for `--updates` updates: time from the
    start of the process to the first update, peak RSS (all of it, and the
    anonymous part: memory-mapped pages are file-backed and can be dropped);
+   with `--replicate K`, also on the prepared shards hard-linked K times (a
+   corpus K times larger for training, without preparing it again);
 3. the same training run with the code of `--baseline-ref` (the in-memory
    path: every line in Python lists, encoded at each start), same numbers.
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
 import random
 import shutil
@@ -47,6 +50,7 @@ def main() -> None:
     p.add_argument("--baseline-ref", default="fae6f17", help="git commit of the in-memory path")
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--ranks", type=int, default=1, help="also train with this many torchrun ranks (>1)")
+    p.add_argument("--replicate", type=int, default=1, help="also train on the prepared shards linked K times")
     args = p.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -65,6 +69,17 @@ def main() -> None:
     trained = measure([sys.executable, "-m", "seq2seq", "-v", "train", "--config", str(QUICKSTART), *common,
                        f"train.run_dir={run}", f"train.num_workers={args.num_workers}"], os.environ.copy())  # fmt: skip
     report("train, prepared data", trained)
+    if args.replicate > 1:
+        big = replicate(run / "prepared", work / f"prepared{args.pairs}x{args.replicate}", args.replicate)
+        bigrun = work / f"run{args.pairs}x{args.replicate}"
+        shutil.rmtree(bigrun, ignore_errors=True)
+        command = [sys.executable, "-m", "seq2seq", "-v", "train", "--config", str(QUICKSTART), *common,
+                   f"train.run_dir={bigrun}", f"data.prepared_dir={big}",
+                   f"train.num_workers={args.num_workers}"]  # fmt: skip
+        report(
+            f"train, prepared data replicated to {args.pairs * args.replicate:,} pairs",
+            measure(command, os.environ.copy()),
+        )
     if args.ranks > 1:
         ranked = work / f"run{args.pairs}_ranks"
         shutil.rmtree(ranked, ignore_errors=True)
@@ -85,6 +100,25 @@ def main() -> None:
         print(f"ratios: time to first update {first / trained['first_update']:.1f}x, peak RSS "
               f"{baseline['rss'] / trained['rss']:.1f}x; prepare {args.pairs / prep['seconds']:,.0f} pairs/s vs "
               f"in-memory load {args.pairs / first:,.0f} pairs/s (its time to the first update)")  # fmt: skip
+
+
+def replicate(prepared: Path, out: Path, k: int) -> Path:
+    """The prepared directory with its shards hard-linked k times: a k-times larger corpus for training."""
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    manifest = json.loads((prepared / "manifest.json").read_text())
+    shards = []
+    for _ in range(k):
+        for shard in manifest["shards"]:
+            name = f"shard{len(shards)}"
+            for f in prepared.glob(shard["name"] + ".*"):
+                os.link(f, out / (name + f.name[len(shard["name"]) :]))
+            shards.append({**shard, "name": name})
+    for f in prepared.glob("spm*.model"):
+        os.link(f, out / f.name)
+    manifest.update(shards=shards, pairs=manifest["pairs"] * k, lines=manifest["lines"] * k)
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return out
 
 
 def make_corpus(data: Path, out: Path, n: int) -> Path:

@@ -35,7 +35,7 @@ class DataConfig:
     dir: str = "data/multi30k"
     src_lang: str = "de"
     tgt_lang: str = "en"
-    train: str = "train"
+    train: tuple[str, ...] = ("train",)  # training sets, each `name` or `name:weight` (upsampled by weight)
     valid: str = "val"
     test: str = "test_2016_flickr"
     vocab_size: int = 8000
@@ -62,8 +62,23 @@ class DataConfig:
         _require(self.sampling_nbest == -1 or self.sampling_nbest >= 2, "data.sampling_nbest", "must be -1 or >= 2")
         _require(self.spm_sample >= 2, "data.spm_sample", "must be at least 2")
         _require(self.src_lang != self.tgt_lang, "data.tgt_lang", "must differ from data.src_lang")
-        for key in ("dir", "src_lang", "tgt_lang", "train", "valid", "test"):
+        for key in ("dir", "src_lang", "tgt_lang", "valid", "test"):
             _require_text(getattr(self, key), f"data.{key}")
+        _require(len(self.train) > 0, "data.train", "must name at least one training set")
+        for name, weight in self.train_sets():
+            _require_text(name, "data.train")
+            _require(0 < weight < 1e6, "data.train", f"weight of {name} must be a positive number; got {weight}")
+
+    def train_sets(self) -> list[tuple[str, float]]:
+        """(split name, upsampling weight) of each training set; `name:2` counts each pair twice an epoch."""
+        out = []
+        for item in self.train:
+            name, sep, weight = item.rpartition(":") if ":" in item else (item, "", "1")
+            try:
+                out.append((name, float(weight)))
+            except ValueError:
+                raise ConfigError(f"data.train {item!r}: the weight after ':' must be a number") from None
+        return out
 
 
 @dataclass(frozen=True)
@@ -374,6 +389,9 @@ def _convert(value: Any, kind: Any, key: str, source: str) -> Any:
         if value not in choices:
             raise ConfigError(f"{source}: {key} must be one of {', '.join(map(str, choices))}; got {value!r}")
         return value
+    if origin is tuple and typing.get_args(kind)[1:] == (Ellipsis,):  # any length; one value is a list of one
+        items = value if isinstance(value, (list, tuple)) else [value]
+        return tuple(_convert(v, typing.get_args(kind)[0], key, source) for v in items)
     if origin is tuple:
         args = typing.get_args(kind)
         if not isinstance(value, (list, tuple)) or len(value) != len(args):

@@ -47,7 +47,7 @@ MANIFEST = "manifest.json"
 SHARD_LINES = 1_000_000
 CHUNK_LINES = 20_000  # lines one worker encodes at a time
 POOL_MIN_LINES = 100_000  # smaller corpora are encoded in this process: starting workers would cost more
-SETTINGS = ("src_lang", "tgt_lang", "vocab_size", "shared_vocab", "spm_model_type", "spm_sample", "max_len")
+SETTINGS = ("train", "src_lang", "tgt_lang", "vocab_size", "shared_vocab", "spm_model_type", "spm_sample", "max_len")
 
 
 def tokenizer_hash(tokenizer: Tokenizer) -> str:
@@ -85,22 +85,32 @@ def stale_reason(directory: Path, d: DataConfig, tokenizer: Tokenizer | None) ->
     manifest = read_manifest(directory)
     if manifest is None or manifest.get("format") != FORMAT:
         return "no prepared data"
-    src, tgt = find_file(d.dir, d.train, d.src_lang), find_file(d.dir, d.train, d.tgt_lang)
-    if manifest["sources"] != [describe_source(src), describe_source(tgt)]:
-        return "the training files changed"
-    changed = [key for key in SETTINGS if manifest["settings"].get(key) != getattr(d, key)]
+    changed = [key for key in SETTINGS if manifest["settings"].get(key) != settings(d)[key]]
     if changed:
         return f"data.{changed[0]} changed"
+    if manifest["sources"] != [describe_source(path) for pair in training_files(d) for path in pair]:
+        return "the training files changed"
     if tokenizer is not None and manifest["tokenizer"] != tokenizer_hash(tokenizer):
         return "the tokenizer differs"
     return ""
+
+
+def training_files(d: DataConfig) -> list[tuple[Path, Path]]:
+    """(source, target) file of each training set."""
+    return [(find_file(d.dir, name, d.src_lang), find_file(d.dir, name, d.tgt_lang)) for name, _ in d.train_sets()]
+
+
+def settings(d: DataConfig) -> dict[str, Any]:
+    """What the prepared data depends on; the upsampling weights are applied when batching, so not them."""
+    names = [name for name, _ in d.train_sets()]
+    return {key: names if key == "train" else getattr(d, key) for key in SETTINGS}
 
 
 def ensure_prepared(d: DataConfig, directory: Path, tokenizer: Tokenizer | None = None, workers: int = 0) -> None:
     """Prepare `directory` unless it already holds this data (with this tokenizer, when one is given)."""
     reason = stale_reason(directory, d, tokenizer)
     if reason:
-        log.debug("preparing %s/%s into %s (%s)", d.dir, d.train, directory, reason)  # errors stay one line
+        log.debug("preparing %s into %s (%s)", d.train, directory, reason)  # errors stay one line
         prepare(d, directory, tokenizer, workers)
     else:
         log.info("using the prepared data in %s", directory)
@@ -115,29 +125,32 @@ def prepare(
     pool_min_lines: int = POOL_MIN_LINES,
 ) -> dict[str, Any]:
     """Build the prepared directory in a temporary one, then swap it in; returns the manifest."""
-    src_path, tgt_path = find_file(d.dir, d.train, d.src_lang), find_file(d.dir, d.train, d.tgt_lang)
-    sources = [describe_source(src_path), describe_source(tgt_path)]
+    files = training_files(d)
+    sources = [describe_source(path) for pair in files for path in pair]
+    where = ", ".join(f"{d.dir}/{name}" for name, _ in d.train_sets())
     tmp = directory.with_name(directory.name + f".tmp{os.getpid()}")
     _remove_abandoned(directory)
     tmp.mkdir(parents=True)
     try:
-        split = split_text(src_path, tgt_path, tmp, shard_lines, d.spm_sample // (2 if d.shared_vocab else 1))
-        log.info("preparing %d lines of %s/%s into %s", split.lines, d.dir, d.train, directory)
+        split = split_text(files, tmp, shard_lines, d.spm_sample // (2 if d.shared_vocab else 1))
+        log.info("preparing %d lines of %s into %s", split.lines, where, directory)
         if tokenizer is None:
             log.info("training a %s SentencePiece vocabulary of %d on %d sampled pairs", d.spm_model_type,
                      d.vocab_size, len(split.sample[0]))  # fmt: skip
-            source = f"{src_path} and {tgt_path}"
+            source = " and ".join(str(path) for pair in files for path in pair)
             tokenizer = train_tokenizer(*split.sample, d.vocab_size, d.shared_vocab, d.spm_model_type, source)
         tokenizer.save(tmp)
         pool = max(1, workers or os.cpu_count() or 1) if split.lines >= pool_min_lines else 1
         shards, dropped = encode_shards(tmp, split.shard_lines, tokenizer, d.max_len, pool)
+        for shard, number in zip(shards, split.shard_sets):
+            shard["set"] = number
         pairs = sum(shard["pairs"] for shard in shards)
         if not pairs:
-            raise DataError(f"{d.dir}/{d.train}: no sentence pairs left after filtering")
+            raise DataError(f"{where}: no sentence pairs left after filtering")
         manifest = {
             "format": FORMAT,
             "sources": sources,
-            "settings": {key: getattr(d, key) for key in SETTINGS},
+            "settings": settings(d),
             "tokenizer": tokenizer_hash(tokenizer),
             "dtype": id_dtype(tokenizer).name,
             "shards": shards,
@@ -184,6 +197,7 @@ def id_dtype(tokenizer: Tokenizer) -> np.dtype[Any]:
 class SplitText:
     lines: int
     shard_lines: list[int]
+    shard_sets: list[int]  # which training set each shard holds
     sample: tuple[list[str], list[str]]
 
 
@@ -197,38 +211,44 @@ def raw_lines(path: Path) -> Iterator[str]:
         raise DataError(f"{path}: cannot read ({e})") from None
 
 
-def split_text(src_path: Path, tgt_path: Path, out: Path, shard_lines: int, sample_size: int) -> SplitText:
-    """Copy the aligned lines into text shards, checking them, and draw a uniform sample of pairs."""
-    sample: list[tuple[str, str]] = []
+def split_text(files: list[tuple[Path, Path]], out: Path, shard_lines: int, sample_size: int) -> SplitText:
+    """Copy the aligned lines of each training set into text shards, checking them; sample pairs uniformly."""
+    split = SplitText(0, [], [], ([], []))
     rng = random.Random(0)
-    shards: list[int] = []
-    writer: _TextShard | None = None
-    n = 0
-    with_text = any_line = False
-    src_lines, tgt_lines = raw_lines(src_path), raw_lines(tgt_path)
-    for s, t in zip_longest(src_lines, tgt_lines):
-        if s is None or t is None:  # one file ended: count the rest of the other for the message
-            rest = 1 + sum(1 for _ in (tgt_lines if s is None else src_lines))
-            counts = (n, n + rest) if s is None else (n + rest, n)
-            raise misaligned(src_path, counts[0], tgt_path, counts[1])
-        if writer is None:
-            writer = _TextShard(out, len(shards))
-        writer.add(s, t)
-        with_text = with_text or bool(s.strip() and t.strip())
-        any_line = any_line or bool(s.strip() or t.strip())
-        n += 1
-        if len(sample) < sample_size:  # Algorithm R: every pair ends in the sample with the same probability
-            sample.append((s, t))
-        elif (j := rng.randrange(n)) < sample_size:
-            sample[j] = (s, t)
-        if writer.lines == shard_lines:
-            shards.append(writer.close())
-            writer = None
-    if writer is not None:
-        shards.append(writer.close())
-    if not with_text:
-        raise no_pairs(src_path, tgt_path, blank=not any_line)
-    return SplitText(n, shards, ([s for s, _ in sample], [t for _, t in sample]))
+    for number, (src_path, tgt_path) in enumerate(files):
+        writer: _TextShard | None = None
+        with_text = any_line = False
+        src_lines, tgt_lines = raw_lines(src_path), raw_lines(tgt_path)
+        for n, (s, t) in enumerate(zip_longest(src_lines, tgt_lines)):
+            if s is None or t is None:  # one file ended: count the rest of the other for the message
+                rest = 1 + sum(1 for _ in (tgt_lines if s is None else src_lines))
+                counts = (n, n + rest) if s is None else (n + rest, n)
+                raise misaligned(src_path, counts[0], tgt_path, counts[1])
+            writer = writer or _TextShard(out, len(split.shard_lines))
+            writer.add(s, t)
+            with_text = with_text or bool(s.strip() and t.strip())
+            any_line = any_line or bool(s.strip() or t.strip())
+            split.lines += 1
+            _reservoir(split.sample, sample_size, split.lines, rng, s, t)
+            if writer.lines == shard_lines:
+                split.shard_lines.append(writer.close())
+                split.shard_sets.append(number)
+                writer = None
+        if writer is not None:
+            split.shard_lines.append(writer.close())
+            split.shard_sets.append(number)
+        if not with_text:
+            raise no_pairs(src_path, tgt_path, blank=not any_line)
+    return split
+
+
+def _reservoir(sample: tuple[list[str], list[str]], size: int, seen: int, rng: random.Random, s: str, t: str) -> None:
+    """Algorithm R: after `seen` pairs, each of them is in the sample with the same probability."""
+    if len(sample[0]) < size:
+        sample[0].append(s)
+        sample[1].append(t)
+    elif (j := rng.randrange(seen)) < size:
+        sample[0][j], sample[1][j] = s, t
 
 
 class _TextShard:
@@ -358,6 +378,11 @@ class PreparedCorpus:
         self.starts = np.cumsum([0] + [shard["pairs"] for shard in manifest["shards"]])
         self.lengths = np.concatenate([np.fromfile(self.directory / f"{n}.len", dtype=np.uint16) for n in self.names])
         self.tokenizer = _load_tokenizer(self.directory)
+        sets = [shard.get("set", 0) for shard in manifest["shards"]]
+        self.set_ranges = [  # [first, last + 1) pair of each training set: its shards are consecutive
+            (int(self.starts[sets.index(k)]), int(self.starts[len(sets) - sets[::-1].index(k)]))
+            for k in sorted(set(sets))
+        ]
         self._maps: dict[str, np.ndarray] = {}
 
     def __len__(self) -> int:

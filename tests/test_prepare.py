@@ -14,6 +14,7 @@ from seq2seq.cli import main
 from seq2seq.config import DataConfig, load_config
 from seq2seq.errors import DataError
 from seq2seq.prepare import PreparedCorpus, prepare, stale_reason
+from seq2seq.training.epochs import EpochSource
 from seq2seq.vocab import EOS
 
 
@@ -96,3 +97,28 @@ def test_bad_training_files_are_one_line(tmp_path: Path, files: dict[str, bytes]
     with pytest.raises(DataError, match=message):
         prepare(data_config(corpus, "data.max_len=3", "data.vocab_size=20"), tmp_path / "p")
     assert not list(tmp_path.glob("p*"))  # nothing half-written is left
+
+
+def test_several_training_sets_are_prepared_together_and_upsampled_by_weight(tmp_path: Path) -> None:
+    corpus = write_corpus(tmp_path / "corpus", n_train=300)
+    extra = write_corpus(tmp_path / "extra", n_train=200, seed=9)
+    for side in ("src", "tgt"):
+        (corpus / f"extra.{side}").write_bytes((extra / f"train.{side}").read_bytes())
+    cfg = load_config(TINY, tiny_overrides(corpus, tmp_path / "run", "data.train=[train, 'extra:2.5']"))
+    prepare(cfg.data, tmp_path / "p")
+    prepared = PreparedCorpus(tmp_path / "p")
+    assert (
+        prepared.set_ranges == [(0, 300), (300, 500)]
+        and prepared.text(300)[0] == (extra / "train.src").read_text().split("\n")[0]
+    )
+    source = EpochSource(prepared, cfg.data, max_tokens=256, seed=1)
+    for epoch in (1, 2):
+        seen = np.bincount(
+            [i for j in range(len(source.batches(epoch))) for i in source.batches(epoch)[j]], minlength=500
+        )
+        assert (seen[:300] == 1).all() and set(seen[300:]) == {2, 3} and (seen[300:] == 3).sum() == 100
+    assert source.epoch_pairs(1).tolist() != source.epoch_pairs(2).tolist()  # a new half each epoch
+    assert stale_reason(tmp_path / "p", cfg.data, None) == ""  # the weights are not part of the prepared data
+    other = load_config(TINY, tiny_overrides(corpus, tmp_path / "run", "data.train=[train, 'extra:3']")).data
+    assert stale_reason(tmp_path / "p", other, None) == ""
+    assert stale_reason(tmp_path / "p", data_config(corpus), None) == "data.train changed"

@@ -69,11 +69,32 @@ class EpochSource:
         """This rank's batches of `epoch`; every rank gets as many."""
         if self._last is None or self._last[0] != epoch:
             seed = epoch_seed(self.seed, epoch)
-            order, bounds = bucket(self.corpus.lengths, self.max_tokens, seed)
+            pairs = self.epoch_pairs(epoch)
+            lengths = self.corpus.lengths if pairs is None else self.corpus.lengths[pairs]
+            order, bounds = bucket(lengths, self.max_tokens, seed)
+            if pairs is not None:
+                order = pairs[order]
             ids = np.random.default_rng(seed + 1).permutation(len(bounds) - 1)
             ids = ids[: len(ids) // self.world * self.world][self.rank :: self.world]
             self._last = (epoch, EpochBatches(order, bounds, ids))
         return self._last[1]
+
+    def epoch_pairs(self, epoch: int) -> np.ndarray | None:
+        """The pairs of `epoch` when training sets are upsampled (None: each pair once).
+
+        A set of weight w contributes floor(w) copies of each pair and a sample, drawn
+        anew each epoch, of the fraction w - floor(w) of its pairs.
+        """
+        weights = [w for _, w in self.data.train_sets()]
+        if all(w == 1 for w in weights):
+            return None
+        rng = np.random.default_rng(epoch_seed(self.seed, epoch) + 2)
+        parts = []
+        for (first, end), w in zip(self.corpus.set_ranges, weights):
+            whole = np.arange(first, end)
+            parts += [whole] * int(w)
+            parts.append(np.sort(rng.choice(whole, size=round((w - int(w)) * len(whole)), replace=False)))
+        return np.concatenate(parts)
 
     def batch(self, epoch: int, j: int) -> Batch:
         """The collated batch j of this rank in `epoch`."""
