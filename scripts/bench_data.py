@@ -49,6 +49,7 @@ def main() -> None:
     p.add_argument("--num-workers", type=int, default=1, help="train.num_workers of the prepared run")
     p.add_argument("--baseline-ref", default="fae6f17", help="git commit of the in-memory path")
     p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--skip-prepare", action="store_true", help="reuse the prepared data of an earlier run")
     p.add_argument("--ranks", type=int, default=1, help="also train with this many torchrun ranks (>1)")
     p.add_argument("--replicate", type=int, default=1, help="also train on the prepared shards linked K times")
     args = p.parse_args()
@@ -58,19 +59,24 @@ def main() -> None:
     print(f"CPU: {cpu_flags()}")
     common = [f"data.dir={corpus}", "train.device=cpu", "train.valid_bleu=false", "train.log_every=1",
               f"train.max_steps={args.updates}", "train.max_minutes=0"]  # fmt: skip
+    prepared = work / f"prepared{args.pairs}"
+    common.append(f"data.prepared_dir={prepared}")
+    if not args.skip_prepare:
+        shutil.rmtree(prepared, ignore_errors=True)
+        prep = measure([sys.executable, "-m", "seq2seq", "prepare", "--config", str(QUICKSTART), "--workers",
+                        str(args.workers), *common], os.environ.copy())  # fmt: skip
+        disk = sum(f.stat().st_size for f in prepared.iterdir())
+        print(f"prepare: {args.pairs / prep['seconds']:,.0f} pairs/s ({prep['seconds']:.0f} s), "
+              f"{disk / args.pairs:.0f} bytes/pair on disk ({disk / 2**30:.2f} GiB), "
+              f"peak RSS {gib(prep['rss'])} (anonymous {gib(prep['anon'])})")  # fmt: skip
     run = work / f"run{args.pairs}"
     shutil.rmtree(run, ignore_errors=True)
-    prep = measure([sys.executable, "-m", "seq2seq", "prepare", "--config", str(QUICKSTART), "--workers",
-                    str(args.workers), *common, f"train.run_dir={run}"], os.environ.copy())  # fmt: skip
-    disk = sum(f.stat().st_size for f in (run / "prepared").iterdir())
-    print(f"prepare: {args.pairs / prep['seconds']:,.0f} pairs/s ({prep['seconds']:.0f} s), "
-          f"{disk / args.pairs:.0f} bytes/pair on disk ({disk / 2**30:.2f} GiB), "
-          f"peak RSS {gib(prep['rss'])} (anonymous {gib(prep['anon'])})")  # fmt: skip
     trained = measure([sys.executable, "-m", "seq2seq", "-v", "train", "--config", str(QUICKSTART), *common,
                        f"train.run_dir={run}", f"train.num_workers={args.num_workers}"], os.environ.copy())  # fmt: skip
     report("train, prepared data", trained)
+    big = prepared
     if args.replicate > 1:
-        big = replicate(run / "prepared", work / f"prepared{args.pairs}x{args.replicate}", args.replicate)
+        big = replicate(prepared, work / f"prepared{args.pairs}x{args.replicate}", args.replicate)
         bigrun = work / f"run{args.pairs}x{args.replicate}"
         shutil.rmtree(bigrun, ignore_errors=True)
         command = [sys.executable, "-m", "seq2seq", "-v", "train", "--config", str(QUICKSTART), *common,
@@ -85,15 +91,24 @@ def main() -> None:
         shutil.rmtree(ranked, ignore_errors=True)
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
                    "-m", "seq2seq", "-v", "train", "--config", str(QUICKSTART), *common, f"train.run_dir={ranked}",
-                   f"data.prepared_dir={run / 'prepared'}", "train.threads=1"]  # fmt: skip
-        report(f"train, prepared data, {args.ranks} torchrun ranks", measure(command, os.environ.copy()))
+                   "train.threads=1", f"data.prepared_dir={big if args.replicate > 1 else prepared}"]  # fmt: skip
+        report(f"train, prepared data ({big.name}), {args.ranks} torchrun ranks", measure(command, os.environ.copy()))
     if not args.no_baseline:
         old = export(args.baseline_ref, work / "baseline_code")
         base = work / f"run{args.pairs}_baseline"
         shutil.rmtree(base, ignore_errors=True)
         env = {**os.environ, "PYTHONPATH": str(old)}
-        command = [sys.executable, "-m", "seq2seq", "-v", "train", "--config", str(QUICKSTART), *common,
-                   f"train.run_dir={base}"]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "seq2seq",
+            "-v",
+            "train",
+            "--config",
+            str(QUICKSTART),
+            *common[:-1],
+            f"train.run_dir={base}",
+        ]  # fmt: skip (common[-1] is data.prepared_dir, which it does not know)
         baseline = measure(command, env, cwd=old)
         report(f"train, in-memory path ({args.baseline_ref})", baseline)
         first = baseline["first_update"]
