@@ -9,6 +9,8 @@ A prepared directory holds, for shard k (every SHARD_LINES lines of the raw file
     shard{k}.len               uint16 length index: the longer side of each kept pair (what batching needs)
     shard{k}.line              uint32 line of each kept pair within the shard's text
 
+Each shard holds lines of one training set (`data.train` may list several).
+
 plus the SentencePiece model(s) and `manifest.json`, which records the source
 files (size, mtime, a sampled content fingerprint), the settings the data
 depends on and the tokenizer's hash: any difference rebuilds the directory.
@@ -125,46 +127,55 @@ def prepare(
     pool_min_lines: int = POOL_MIN_LINES,
 ) -> dict[str, Any]:
     """Build the prepared directory in a temporary one, then swap it in; returns the manifest."""
-    files = training_files(d)
-    sources = [describe_source(path) for pair in files for path in pair]
-    where = ", ".join(f"{d.dir}/{name}" for name, _ in d.train_sets())
     tmp = directory.with_name(directory.name + f".tmp{os.getpid()}")
     _remove_abandoned(directory)
     tmp.mkdir(parents=True)
     try:
-        split = split_text(files, tmp, shard_lines, d.spm_sample // (2 if d.shared_vocab else 1))
-        log.info("preparing %d lines of %s into %s", split.lines, where, directory)
-        if tokenizer is None:
-            log.info("training a %s SentencePiece vocabulary of %d on %d sampled pairs", d.spm_model_type,
-                     d.vocab_size, len(split.sample[0]))  # fmt: skip
-            source = " and ".join(str(path) for pair in files for path in pair)
-            tokenizer = train_tokenizer(*split.sample, d.vocab_size, d.shared_vocab, d.spm_model_type, source)
-        tokenizer.save(tmp)
-        pool = max(1, workers or os.cpu_count() or 1) if split.lines >= pool_min_lines else 1
-        shards, dropped = encode_shards(tmp, split.shard_lines, tokenizer, d.max_len, pool)
-        for shard, number in zip(shards, split.shard_sets):
-            shard["set"] = number
-        pairs = sum(shard["pairs"] for shard in shards)
-        if not pairs:
-            raise DataError(f"{where}: no sentence pairs left after filtering")
-        manifest = {
-            "format": FORMAT,
-            "sources": sources,
-            "settings": settings(d),
-            "tokenizer": tokenizer_hash(tokenizer),
-            "dtype": id_dtype(tokenizer).name,
-            "shards": shards,
-            "lines": split.lines,
-            "pairs": pairs,
-            "dropped": dropped,
-        }
+        manifest = _build(d, tmp, tokenizer, workers, shard_lines, pool_min_lines)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
         shutil.rmtree(directory, ignore_errors=True)
         tmp.rename(directory)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    log.info("prepared %d pairs in %d shard(s) (dropped %d empty, %d over-long)", pairs, len(shards), *dropped.values())
+    shards, dropped = len(manifest["shards"]), manifest["dropped"]
+    log.info("prepared %d pairs in %d shard(s) (dropped %d empty, %d over-long)", manifest["pairs"], shards,
+             dropped["empty"], dropped["too_long"])  # fmt: skip
     return manifest
+
+
+def _build(
+    d: DataConfig, out: Path, tokenizer: Tokenizer | None, workers: int, shard_lines: int, pool_min_lines: int
+) -> dict[str, Any]:
+    """Text shards, the tokenizer (unless given) and token shards in `out`; returns the manifest."""
+    files = training_files(d)
+    sources = [describe_source(path) for pair in files for path in pair]
+    where = ", ".join(f"{d.dir}/{name}" for name, _ in d.train_sets())
+    split = split_text(files, out, shard_lines, d.spm_sample // (2 if d.shared_vocab else 1))
+    log.info("preparing %d lines of %s into %s", split.lines, where, out.with_name(out.name.rpartition(".tmp")[0]))
+    if tokenizer is None:
+        log.info("training a %s SentencePiece vocabulary of %d on %d sampled pairs", d.spm_model_type,
+                 d.vocab_size, len(split.sample[0]))  # fmt: skip
+        source = " and ".join(str(path) for pair in files for path in pair)
+        tokenizer = train_tokenizer(*split.sample, d.vocab_size, d.shared_vocab, d.spm_model_type, source)
+    tokenizer.save(out)
+    pool = max(1, workers or os.cpu_count() or 1) if split.lines >= pool_min_lines else 1
+    shards, dropped = encode_shards(out, split.shard_lines, tokenizer, d.max_len, pool)
+    for shard, number in zip(shards, split.shard_sets):
+        shard["set"] = number
+    pairs = sum(shard["pairs"] for shard in shards)
+    if not pairs:
+        raise DataError(f"{where}: no sentence pairs left after filtering")
+    return {
+        "format": FORMAT,
+        "sources": sources,
+        "settings": settings(d),
+        "tokenizer": tokenizer_hash(tokenizer),
+        "dtype": id_dtype(tokenizer).name,
+        "shards": shards,
+        "lines": split.lines,
+        "pairs": pairs,
+        "dropped": dropped,
+    }
 
 
 def _remove_abandoned(directory: Path) -> None:
