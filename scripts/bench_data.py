@@ -45,6 +45,7 @@ def main() -> None:
     p.add_argument("--data", default="data/multi30k", help="Multi30k directory (train/val .de/.en)")
     p.add_argument("--work", default="/tmp/bench_data", help="scratch directory (corpus, runs, prepared data)")
     p.add_argument("--updates", type=int, default=50)
+    p.add_argument("--threads", type=int, default=1, help="train.threads (one: the machine is shared)")
     p.add_argument("--workers", type=int, default=0, help="prepare processes (default: one per CPU)")
     p.add_argument("--num-workers", type=int, default=1, help="train.num_workers of the prepared run")
     p.add_argument("--baseline-ref", default="fae6f17", help="git commit of the in-memory path")
@@ -58,7 +59,7 @@ def main() -> None:
     corpus = make_corpus(Path(args.data), work / f"corpus{args.pairs}", args.pairs)
     print(f"CPU: {cpu_flags()}")
     common = [f"data.dir={corpus}", "train.device=cpu", "train.valid_bleu=false", "train.log_every=1",
-              f"train.max_steps={args.updates}", "train.max_minutes=0"]  # fmt: skip
+              f"train.max_steps={args.updates}", "train.max_minutes=0", f"train.threads={args.threads}"]  # fmt: skip
     prepared = work / f"prepared{args.pairs}"
     common.append(f"data.prepared_dir={prepared}")
     if not args.skip_prepare:
@@ -91,7 +92,7 @@ def main() -> None:
         shutil.rmtree(ranked, ignore_errors=True)
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
                    "-m", "seq2seq", "-v", "train", "--config", str(QUICKSTART), *common, f"train.run_dir={ranked}",
-                   "train.threads=1", f"data.prepared_dir={big if args.replicate > 1 else prepared}"]  # fmt: skip
+                   f"data.prepared_dir={big if args.replicate > 1 else prepared}"]  # fmt: skip
         report(f"train, prepared data ({big.name}), {args.ranks} torchrun ranks", measure(command, os.environ.copy()))
     if not args.no_baseline:
         old = export(args.baseline_ref, work / "baseline_code")
