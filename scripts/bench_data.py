@@ -188,7 +188,7 @@ def measure(command: list[str], env: dict[str, str], cwd: Path = ROOT) -> dict[s
     """Run a command; wall time, time until `step 1: loss` appears on stderr, peak RSS and anonymous RSS."""
     start = time.monotonic()
     proc = subprocess.Popen(command, cwd=cwd, env=env, stderr=subprocess.PIPE, text=True)
-    peaks = {"rss": 0.0, "anon": 0.0, "anon_max_process": 0.0}
+    peaks = {"rss": 0.0, "anon": 0.0, "rss_max_process": 0.0, "anon_max_process": 0.0}
     done = threading.Event()
 
     def poll() -> None:
@@ -196,6 +196,7 @@ def measure(command: list[str], env: dict[str, str], cwd: Path = ROOT) -> dict[s
             usage = [memory(pid) for pid in tree(proc.pid)]
             peaks["rss"] = max(peaks["rss"], sum(u[0] for u in usage))
             peaks["anon"] = max(peaks["anon"], sum(u[1] for u in usage))
+            peaks["rss_max_process"] = max([peaks["rss_max_process"], *(u[0] for u in usage)])
             peaks["anon_max_process"] = max([peaks["anon_max_process"], *(u[1] for u in usage)])
             time.sleep(0.1)
 
@@ -245,7 +246,8 @@ def memory(pid: int) -> tuple[float, float]:
 def report(name: str, m: dict[str, float]) -> None:
     print(f"{name}: data and model ready after {m['ready']:.1f} s, first update after {m['first_update']:.1f} s, "
           f"peak RSS {gib(m['rss'])} "
-          f"(anonymous {gib(m['anon'])}, largest process {gib(m['anon_max_process'])}), "
+          f"(anonymous {gib(m['anon'])}; largest process {gib(m['rss_max_process'])}, "
+          f"anonymous {gib(m['anon_max_process'])}), "
           f"{m['seconds']:.0f} s in all")  # fmt: skip
 
 
