@@ -113,9 +113,11 @@ def main() -> None:
         baseline = measure(command, env, cwd=old)
         report(f"train, in-memory path ({args.baseline_ref})", baseline)
         first = baseline["first_update"]
-        print(f"ratios: time to first update {first / trained['first_update']:.1f}x, peak RSS "
-              f"{baseline['rss'] / trained['rss']:.1f}x; prepare {args.pairs / prep['seconds']:,.0f} pairs/s vs "
-              f"in-memory load {args.pairs / first:,.0f} pairs/s (its time to the first update)")  # fmt: skip
+        print(f"in-memory / prepared: time to first update {first / trained['first_update']:.1f}x, peak RSS of the "
+              f"largest process {baseline['rss_max_process'] / trained['rss_max_process']:.1f}x")  # fmt: skip
+        if not args.skip_prepare:
+            print(f"prepare {args.pairs / prep['seconds']:,.0f} pairs/s vs in-memory load "
+                  f"{args.pairs / first:,.0f} pairs/s (its time to the first update)")  # fmt: skip
 
 
 def replicate(prepared: Path, out: Path, k: int) -> Path:
