@@ -57,7 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from seq2seq.config import ExperimentConfig, load_config  # noqa: E402
-from seq2seq.data import Batch, collate, read_parallel  # noqa: E402
+from seq2seq.data import Batch, read_parallel  # noqa: E402
 from seq2seq.device import resolve_precision  # noqa: E402
 from seq2seq.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
 from seq2seq.training.trainer import Trainer  # noqa: E402
@@ -168,8 +168,7 @@ def _bench(trainer: Trainer, name: str, args: argparse.Namespace) -> None:
     """Interleave the two settings round by round on the same batches; print per-round rates and medians."""
     settings = SETTINGS[args.compare]
     first, second = settings
-    corpus = trainer.epochs.corpus(1)
-    batches = [collate(corpus, b) for b in trainer.epochs.batches(1)[: args.steps * args.rounds]]
+    batches = [trainer.epochs.batch(1, j) for j in range(args.steps * args.rounds)]
     n_params = sum(p.numel() for p in trainer.model.parameters()) / 1e6
     mean_tokens = statistics.mean(b.n_tokens for b in batches)
     print(f"\n{name}: {n_params:.1f}M parameters, batches of {mean_tokens:.0f} target tokens on average")

@@ -69,6 +69,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     p.set_defaults(run=_train)
 
+    p = sub.add_parser("prepare", help="prepare the training data of a config (train does it when needed)")
+    p.add_argument("--config", required=True, help="YAML experiment file")
+    p.add_argument("--workers", type=int, default=0, help="encoding processes (default: one per CPU)")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
+    p.set_defaults(run=_prepare)
+
     p = sub.add_parser("translate", help="translate a file or stdin with a checkpoint")
     _add_model_args(p)
     p.add_argument("--input", "-i", help="input file (default: stdin)")
@@ -183,6 +189,20 @@ def _train(args: argparse.Namespace) -> int:
     if trainer.stop.received:
         print(f"seq2seq: stopped by {trainer.stop.received}; run the same command to resume", file=sys.stderr)
     return trainer.stop.exit_code
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    """Prepare (or check) the training data; a run with a checkpoint keeps its tokenizer."""
+    cfg = load_config(args.config, args.overrides)
+    if not 0 <= args.workers <= MAX_THREADS:
+        raise ConfigError(f"--workers must be in [0, {MAX_THREADS}], got {args.workers}")
+    from seq2seq.prepare import ensure_prepared
+    from seq2seq.run_dir import RunDirectory
+    from seq2seq.training.setup import prepared_path
+
+    resume = RunDirectory(cfg.train.run_dir).resume_point()
+    ensure_prepared(cfg.data, prepared_path(cfg), resume.tokenizer if resume else None, args.workers)
+    return 0
 
 
 def _translator(args: argparse.Namespace) -> Translator:

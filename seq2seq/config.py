@@ -37,7 +37,7 @@ class DataConfig:
     dir: str = "data/multi30k"
     src_lang: str = "de"
     tgt_lang: str = "en"
-    train: str = "train"
+    train: tuple[str, ...] = ("train",)  # training sets, each `name` or `name:weight` (upsampled by weight)
     valid: str = "val"
     test: str = "test_2016_flickr"
     vocab_size: int = 8000
@@ -49,6 +49,8 @@ class DataConfig:
     # alpha over the sampling_nbest best segmentations, BPE a dropout probability.
     sampling_alpha: float = 0.0
     sampling_nbest: int = 64  # -1: all segmentations
+    spm_sample: int = 1_000_000  # sentences SentencePiece trains on at most (a uniform sample of the training text)
+    prepared_dir: str = ""  # where `seq2seq prepare` writes the training data; "": {train.run_dir}/prepared
 
     def __post_init__(self) -> None:
         _require(self.vocab_size >= 8, "data.vocab_size", "must be at least 8")
@@ -60,9 +62,25 @@ class DataConfig:
             "is a dropout probability for BPE and must be below 1",
         )
         _require(self.sampling_nbest == -1 or self.sampling_nbest >= 2, "data.sampling_nbest", "must be -1 or >= 2")
+        _require(self.spm_sample >= 2, "data.spm_sample", "must be at least 2")
         _require(self.src_lang != self.tgt_lang, "data.tgt_lang", "must differ from data.src_lang")
-        for key in ("dir", "src_lang", "tgt_lang", "train", "valid", "test"):
+        for key in ("dir", "src_lang", "tgt_lang", "valid", "test"):
             _require_text(getattr(self, key), f"data.{key}")
+        _require(len(self.train) > 0, "data.train", "must name at least one training set")
+        for name, weight in self.train_sets():
+            _require_text(name, "data.train")
+            _require(0 < weight < 1e6, "data.train", f"weight of {name} must be a positive number; got {weight}")
+
+    def train_sets(self) -> list[tuple[str, float]]:
+        """(split name, upsampling weight) of each training set; `name:2` counts each pair twice an epoch."""
+        out = []
+        for item in self.train:
+            name, sep, weight = item.rpartition(":") if ":" in item else (item, "", "1")
+            try:
+                out.append((name, float(weight)))
+            except ValueError:
+                raise ConfigError(f"data.train {item!r}: the weight after ':' must be a number") from None
+        return out
 
 
 @dataclass(frozen=True)
@@ -172,9 +190,11 @@ class TrainConfig:
     log_every: int = 50
     max_bad_steps: int = 20  # consecutive non-finite losses before giving up
     deterministic: bool = False
+    num_workers: int = 0  # DataLoader processes collating batches while the model trains; 0: in this process
 
     def __post_init__(self) -> None:
         _require_text(self.run_dir, "train.run_dir")
+        _require(0 <= self.num_workers <= 64, "train.num_workers", "must be in [0, 64]")
         _require_seed(self.seed, "train.seed")
         _require(self.max_tokens >= 16, "train.max_tokens", "must be at least 16")
         _require(self.update_freq >= 1, "train.update_freq", "must be at least 1")
@@ -406,6 +426,9 @@ def _convert(value: Any, kind: Any, key: str, source: str) -> Any:
         if value not in choices:
             raise ConfigError(f"{source}: {key} must be one of {', '.join(map(str, choices))}; got {value!r}")
         return value
+    if origin is tuple and typing.get_args(kind)[1:] == (Ellipsis,):  # any length; one value is a list of one
+        items = value if isinstance(value, (list, tuple)) else [value]
+        return tuple(_convert(v, typing.get_args(kind)[0], key, source) for v in items)
     if origin is tuple:
         args = typing.get_args(kind)
         if not isinstance(value, (list, tuple)) or len(value) != len(args):

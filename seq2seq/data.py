@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import gzip
 import logging
-import random
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from seq2seq.errors import DataError
 from seq2seq.tokenizer import Sampling, Tokenizer
@@ -61,12 +62,19 @@ def read_parallel(directory: str | Path, split: str, src_lang: str, tgt_lang: st
     tgt_path = find_file(directory, split, tgt_lang)
     src, tgt = read_lines(src_path), read_lines(tgt_path)
     if len(src) != len(tgt):
-        raise DataError(f"misaligned corpus: {src_path} has {len(src)} lines but {tgt_path} has {len(tgt)}")
+        raise misaligned(src_path, len(src), tgt_path, len(tgt))
     if not any(s.strip() and t.strip() for s, t in zip(src, tgt)):
-        blank = not any(line.strip() for line in src + tgt)
-        what = "have no non-empty lines" if blank else "have no line pair with text on both sides"
-        raise DataError(f"no sentence pairs: {src_path} and {tgt_path} {what}")
+        raise no_pairs(src_path, tgt_path, blank=not any(line.strip() for line in src + tgt))
     return src, tgt
+
+
+def misaligned(src_path: Path, src_lines: int, tgt_path: Path, tgt_lines: int) -> DataError:
+    return DataError(f"misaligned corpus: {src_path} has {src_lines} lines but {tgt_path} has {tgt_lines}")
+
+
+def no_pairs(src_path: Path, tgt_path: Path, blank: bool) -> DataError:
+    what = "have no non-empty lines" if blank else "have no line pair with text on both sides"
+    return DataError(f"no sentence pairs: {src_path} and {tgt_path} {what}")
 
 
 @dataclass
@@ -113,6 +121,9 @@ def encode_corpus(
     return EncodedCorpus(kept_src, kept_tgt)
 
 
+BUCKET_CHUNK = 1 << 20  # pairs sorted together: a large corpus is bucketed inside shuffled chunks of this size
+
+
 def make_batches(lengths: Sequence[int], max_tokens: int, seed: int | None = None) -> list[list[int]]:
     """Group indices of similar length into batches of at most `max_tokens` padded tokens.
 
@@ -120,25 +131,47 @@ def make_batches(lengths: Sequence[int], max_tokens: int, seed: int | None = Non
     shuffled; the result is a pure function of (lengths, max_tokens, seed), which
     is what makes resuming mid-epoch exact.
     """
-    order = list(range(len(lengths)))
-    if seed is not None:
-        random.Random(seed).shuffle(order)
-    order.sort(key=lambda i: lengths[i])  # stable: the shuffle breaks ties
-    batches: list[list[int]] = []
-    current: list[int] = []
-    longest = 0
-    for i in order:
-        longest_if_added = max(longest, lengths[i])
-        if current and longest_if_added * (len(current) + 1) > max_tokens:
-            batches.append(current)
-            current, longest_if_added = [], lengths[i]
-        current.append(i)
-        longest = longest_if_added
-    if current:
-        batches.append(current)
-    if seed is not None:
-        random.Random(seed + 1).shuffle(batches)
-    return batches
+    order, bounds = bucket(np.asarray(lengths, dtype=np.int64), max_tokens, seed)
+    batches = [order[a:b].tolist() for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())]
+    if seed is None:
+        return batches
+    return [batches[i] for i in np.random.default_rng(seed + 1).permutation(len(batches)).tolist()]
+
+
+def bucket(
+    lengths: np.ndarray, max_tokens: int, seed: int | None = None, chunk: int = BUCKET_CHUNK
+) -> tuple[np.ndarray, np.ndarray]:
+    """Token-budget batches as arrays: batch b is `order[bounds[b]:bounds[b + 1]]`.
+
+    With a seed the pairs are shuffled, then each chunk of `chunk` pairs is sorted by length
+    (stable, so the shuffle breaks ties) and cut greedily; without one, the chunks are in
+    corpus order. Sorting chunk by chunk keeps tens of millions of pairs cheap to bucket.
+    """
+    n = len(lengths)
+    order = np.random.default_rng(seed).permutation(n) if seed is not None else np.arange(n)
+    bounds = [0]
+    for start in range(0, n, chunk):
+        part = order[start : start + chunk]
+        part[:] = part[np.argsort(lengths[part], kind="stable")]
+        bounds += [start + end for end in _pack(lengths[part].tolist(), max_tokens)]
+    return order, np.asarray(bounds, dtype=np.int64)
+
+
+def _pack(sorted_lengths: list[int], max_tokens: int) -> list[int]:
+    """End positions of greedy batches over ascending lengths; an over-long item is a batch of its own."""
+    ends, start, n = [], 0, len(sorted_lengths)
+    while start < n:
+        # The largest end with (longest item) x (items) within budget; lengths ascend, so it is monotone.
+        lo, hi = start + 1, min(n, start + max(1, max_tokens // max(1, sorted_lengths[start])))
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if sorted_lengths[mid - 1] * (mid - start) <= max_tokens:
+                lo = mid
+            else:
+                hi = mid - 1
+        ends.append(lo)
+        start = lo
+    return ends
 
 
 @dataclass
@@ -170,7 +203,12 @@ def pad(sequences: Sequence[Sequence[int]]) -> torch.Tensor:
 
 
 def collate(corpus: EncodedCorpus, indices: Sequence[int]) -> Batch:
-    src = pad([corpus.src[i] for i in indices])
-    tgt_out = pad([corpus.tgt[i] for i in indices])
-    tgt_in = pad([[BOS] + corpus.tgt[i][:-1] for i in indices])
+    return collate_pairs([corpus.src[i] for i in indices], [corpus.tgt[i] for i in indices])
+
+
+def collate_pairs(src_ids: Sequence[list[int]], tgt_ids: Sequence[list[int]]) -> Batch:
+    """Padded tensors of EOS-terminated pairs: source, BOS-shifted target input, target output."""
+    src = pad(src_ids)
+    tgt_out = pad(tgt_ids)
+    tgt_in = pad([[BOS] + t[:-1] for t in tgt_ids])
     return Batch(src, src == PAD, tgt_in, tgt_out, int((tgt_out != PAD).sum()))

@@ -1,8 +1,10 @@
-"""Data-parallel training: 2 gloo processes under torchrun equal 1 process accumulating their 2 batches."""
+"""Data-parallel training: 2 gloo processes under torchrun (on one node, or as two nodes) equal 1 process
+accumulating their 2 batches."""
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -67,3 +69,41 @@ def test_two_gloo_processes_match_one_process_with_the_doubled_batch(tmp_path: P
         "checkpoint_step4.pt",
     ]
     assert ddp.training.progress.best == pytest.approx(single.best, rel=1e-5)
+
+
+@pytest.mark.slow  # ~30 s: two agents and their rendezvous
+def test_two_torchrun_agents_with_c10d_rendezvous_match_one_process(tmp_path: Path) -> None:
+    """Multi-node training as a cluster runs it: one agent per node (here two on loopback), one process each."""
+    corpus = write_corpus(tmp_path / "corpus", n_train=600)
+    nodes_run, single_run = tmp_path / "nodes", tmp_path / "single"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=seq2seq-test",
+        "-m",
+        "seq2seq",
+        "train",
+        "--config",
+        str(TINY),
+        *tiny_overrides(corpus, nodes_run, *COMMON, "train.update_freq=1"),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    agents = [subprocess.Popen(command, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    errors = [agent.communicate(timeout=300)[1] for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], errors[0][-2000:] + errors[1][-2000:]
+
+    single = train(load_config(TINY, tiny_overrides(corpus, single_run, *COMMON, "train.update_freq=2")))
+    nodes = ckpt.read(nodes_run / LAST)
+    assert nodes.training is not None and nodes.training.progress.step == single.step == 4
+    reference = ckpt.read(single_run / LAST).model
+    for name, tensor in nodes.model.items():
+        torch.testing.assert_close(tensor, reference[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert "2 process(es)" in (nodes_run / "train.log").read_text()

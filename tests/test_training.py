@@ -22,7 +22,7 @@ from seq2seq import device as device_module
 from seq2seq.checkpoint import LAST, Progress
 from seq2seq.cli import main
 from seq2seq.config import ExperimentConfig, load_config
-from seq2seq.data import collate, encode_corpus
+from seq2seq.data import Batch, collate_pairs
 from seq2seq.device import resolve_precision
 from seq2seq.errors import TrainingError
 from seq2seq.training import update as update_module
@@ -112,10 +112,9 @@ def test_schedules_are_pure_functions_of_the_step() -> None:
 def test_accumulating_two_batches_equals_one_batch_of_their_union(small: Path, tmp_path: Path) -> None:
     trainer = Trainer(config(small, tmp_path / "run", "model.dropout=0"))
     try:
-        first, second = trainer.epochs.batches(1)[:2]
-        data = trainer.epochs.corpus(1)
-        parts = [collate(data, first), collate(data, second)]
-        union = [collate(data, first + second)]
+        first, second = trainer.epochs.batches(1)[0], trainer.epochs.batches(1)[1]
+        parts = [collate_ids(trainer, first), collate_ids(trainer, second)]
+        union = [collate_ids(trainer, first + second)]
         results, grads = [], []
         for batches in (parts, union):
             results.append(trainer.update.accumulate(batches, step=1))
@@ -131,6 +130,11 @@ def test_accumulating_two_batches_equals_one_batch_of_their_union(small: Path, t
         assert 0.01 < norm < 100
     finally:
         trainer.close()
+
+
+def collate_ids(trainer: Trainer, indices: list[int]) -> Batch:
+    pairs = [trainer.epochs.corpus.ids(i) for i in indices]
+    return collate_pairs([s for s, _ in pairs], [t for _, t in pairs])
 
 
 # Precision.
@@ -163,7 +167,7 @@ def test_rdrop_reaches_the_training_step_and_trains(small: Path, tmp_path: Path)
     for alpha in (1e-6, 2.0):  # R-Drop on in both: the same two dropout masks, a heavier KL in the second
         trainer = Trainer(config(small, tmp_path / f"alpha{alpha}", "model.dropout=0.1", f"train.rdrop_alpha={alpha}"))
         try:
-            batch = collate(trainer.epochs.corpus(1), trainer.epochs.batches(1)[0])
+            batch = trainer.epochs.batch(1, 0)
             losses.append(trainer.update.accumulate([batch], step=1)[0])
         finally:
             trainer.close()
@@ -180,9 +184,10 @@ def test_rdrop_reaches_the_training_step_and_trains(small: Path, tmp_path: Path)
     [
         (1, 5, 20, ()),
         (2, 3, 10, ()),
-        (1, 5, 40, ("data.sampling_alpha=0.2", "data.sampling_nbest=-1")),
+        (1, 5, 20, ("data.sampling_alpha=0.2", "data.sampling_nbest=-1")),
         (2, 3, 10, ("train.rdrop_alpha=2",)),
         (1, 5, 20, ("model.arch=rnn", "model.rnn.hidden_size=32", "model.rnn.attention=mlp")),
+        (1, 5, 20, ("train.num_workers=2", "data.sampling_alpha=0.2")),  # collated in worker processes
     ],
 )
 def test_resume_reaches_the_same_weights_as_an_uninterrupted_run(
@@ -214,17 +219,29 @@ def test_subword_sampling_draws_a_new_segmentation_each_epoch(small: Path, tmp_p
     fixed = Trainer(config(small, tmp_path / "fixed"))
     sampled = Trainer(config(small, tmp_path / "sampled", "data.sampling_alpha=0.2", "data.sampling_nbest=-1"))
     try:
-        assert fixed.epochs.corpus(1) is fixed.epochs.corpus(2)
-        best = encode_corpus(sampled.tokenizer, *sampled.epochs.text, 128, "train")  # the best segmentation
-        first, second = sampled.epochs.corpus(1).src, sampled.epochs.corpus(2).src
-        assert first != second and best.src not in (first, second)
-        assert sampled.epochs.corpus(1).src == first  # re-drawn, not remembered
+        epochs = sampled.epochs
+        pairs = {1: epochs.batches(1)[0]}
+        j2 = next(j for j in range(len(epochs.batches(2))) if set(epochs.batches(2)[j]) & set(pairs[1]))
+        pairs[2] = epochs.batches(2)[j2]
+        common = sorted(set(pairs[1]) & set(pairs[2]))
+        rows = {1: epochs.batch(1, 0).src, 2: epochs.batch(2, j2).src}  # the best segmentation is prepared
+        seg = {e: {i: strip(rows[e][pairs[e].index(i)]) for i in common} for e in (1, 2)}
+        best = {i: epochs.corpus.ids(i)[0][:-1] for i in common}
+        assert seg[1] != seg[2] and best not in (seg[1], seg[2])
+        assert torch.equal(epochs.batch(1, 0).src, rows[1])  # re-drawn, not remembered
+        assert torch.equal(fixed.epochs.batch(1, 0).src, fixed.epochs.batch(1, 0).src)
         assert sampled.validator.corpus == fixed.validator.corpus  # validation keeps the best segmentation
         decode = sampled.tokenizer.decode_tgt
-        assert [decode(ids) for ids in first] == [decode(ids) for ids in best.src]
+        assert [decode(seg[1][i]) for i in common] == [decode(best[i]) for i in common]
     finally:
         fixed.close()
         sampled.close()
+
+
+def strip(row: torch.Tensor) -> list[int]:
+    """A padded row's ids without EOS and padding."""
+    ids = [int(x) for x in row if int(x) > 0]
+    return ids[:-1]
 
 
 def test_resuming_a_finished_run_changes_nothing(small: Path, tmp_path: Path) -> None:
@@ -301,7 +318,7 @@ def test_kill_9_leaves_only_complete_checkpoints_and_the_run_resumes(small: Path
     proc.send_signal(signal.SIGKILL)  # saving is continuous here, so this often lands mid-write
     proc.wait(timeout=60)
     expected = re.compile(
-        r"checkpoint_(last|best|step\d+)\.pt|config\.yaml|spm\.model|train\.log|tb|\.lock|\.checkpoint.*\.tmp"
+        r"checkpoint_(last|best|step\d+)\.pt|config\.yaml|spm\.model|train\.log|tb|prepared|\.lock|\.checkpoint.*\.tmp"
     )
     assert all(expected.fullmatch(name) for name in os.listdir(run)), os.listdir(run)
     for path in run.glob("checkpoint*.pt"):

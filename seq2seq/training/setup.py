@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from seq2seq.checkpoint import Checkpoint, Progress
-from seq2seq.config import DataConfig, ExperimentConfig, TrainConfig, to_dict
+from seq2seq.config import ExperimentConfig, TrainConfig, to_dict
 from seq2seq.data import encode_corpus, read_parallel
 from seq2seq.device import resolve_device, resolve_precision
 from seq2seq.errors import TrainingError
 from seq2seq.model import Seq2SeqModel, build_model
+from seq2seq.prepare import PreparedCorpus, ensure_prepared
 from seq2seq.run_dir import RunDirectory
-from seq2seq.tokenizer import Tokenizer, train_tokenizer
+from seq2seq.tokenizer import Tokenizer
 from seq2seq.training import distributed as dist
 from seq2seq.training.epochs import EpochSource
 from seq2seq.training.optim import build_optimizer
@@ -25,9 +27,9 @@ from seq2seq.training.validation import Validator
 log = logging.getLogger("seq2seq.train")
 
 # What a resume may not change: the stored tokenizer, the encoded data and the weights depend on them.
-# data.test is only read by `evaluate`.
+# data.test is only read by `evaluate`; data.prepared_dir is only where the prepared data is kept.
 FIXED_ON_RESUME = ("data.", "model.")
-FREE_ON_RESUME = ("data.test",)
+FREE_ON_RESUME = ("data.test", "data.prepared_dir")
 
 
 def setup_device(t: TrainConfig) -> tuple[torch.device, str]:
@@ -46,24 +48,25 @@ def setup_device(t: TrainConfig) -> tuple[torch.device, str]:
     return device, precision
 
 
-def shared_tokenizer(d: DataConfig) -> Tokenizer:
-    """Train SentencePiece on rank 0 and share it with the other ranks."""
-    proto: list[Any] = [None]
+def prepared_path(cfg: ExperimentConfig) -> Path:
+    """The prepared training data: `data.prepared_dir`, or `prepared/` in the run directory."""
+    return Path(cfg.data.prepared_dir or Path(cfg.train.run_dir) / "prepared")
+
+
+def prepared_corpus(cfg: ExperimentConfig, tokenizer: Tokenizer | None) -> PreparedCorpus:
+    """Prepare the training data on rank 0 unless it is ready (for `tokenizer`, when given); every rank opens it."""
+    path = prepared_path(cfg)
     if dist.is_main():
-        src, tgt = read_parallel(d.dir, d.train, d.src_lang, d.tgt_lang)
-        kind = "shared" if d.shared_vocab else "per language"
-        log.info("training a %s SentencePiece vocabulary of %d (%s)", d.spm_model_type, d.vocab_size, kind)
-        proto[0] = train_tokenizer(src, tgt, d.vocab_size, d.shared_vocab, d.spm_model_type).state()
+        ensure_prepared(cfg.data, path, tokenizer)
     if dist.world_size() > 1:
-        torch.distributed.broadcast_object_list(proto, src=0)
-    return Tokenizer.from_state(proto[0])
+        torch.distributed.barrier()
+    return PreparedCorpus(path)
 
 
-def training_data(cfg: ExperimentConfig, tokenizer: Tokenizer) -> EpochSource:
-    d = cfg.data
-    text = read_parallel(d.dir, d.train, d.src_lang, d.tgt_lang)
-    source = EpochSource(tokenizer, text, d, cfg.train.max_tokens, cfg.train.seed, dist.rank(), dist.world_size())
-    log.info("data: %d training pairs", len(source.corpus(1)))
+def training_data(cfg: ExperimentConfig, corpus: PreparedCorpus) -> EpochSource:
+    t = cfg.train
+    source = EpochSource(corpus, cfg.data, t.max_tokens, t.seed, dist.rank(), dist.world_size(), t.num_workers)
+    log.info("data: %d training pairs", len(corpus))
     return source
 
 

@@ -17,7 +17,9 @@ pass, so a resumed run computes what an uninterrupted one would.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import itertools
 import logging
 import math
 import time
@@ -25,7 +27,6 @@ from typing import Any
 
 from seq2seq.checkpoint import Checkpoint, Progress, TrainingState
 from seq2seq.config import ExperimentConfig, save_config
-from seq2seq.data import collate
 from seq2seq.run_dir import RunDirectory, new_run_id
 from seq2seq.tokenizer import Tokenizer
 from seq2seq.training import distributed as dist
@@ -35,9 +36,9 @@ from seq2seq.training.setup import (
     build_training_model,
     build_validator,
     check_resumable,
+    prepared_corpus,
     restore,
     setup_device,
-    shared_tokenizer,
     training_data,
     wrap_ddp,
 )
@@ -72,8 +73,9 @@ class Trainer:
         self.main = dist.is_main()
         resume, changes = self._claim_run_dir()
         self.run_id = resume.run_id if resume else new_run_id()
-        self.tokenizer = resume.tokenizer if resume else tokenizer or shared_tokenizer(cfg.data)
-        self.epochs = training_data(cfg, self.tokenizer)
+        corpus = prepared_corpus(cfg, resume.tokenizer if resume else tokenizer)
+        self.tokenizer = corpus.tokenizer
+        self.epochs = training_data(cfg, corpus)
         self.model, optimizer, scaler = build_training_model(cfg, self.tokenizer, self.device, precision)
         self.validator = build_validator(cfg, self.tokenizer, self.model, precision, self.device)
         self.progress = restore(resume, self.model, optimizer, scaler, self.run, changes) if resume else Progress()
@@ -129,12 +131,13 @@ class Trainer:
     def _run_epoch(self) -> str:
         """Train on the rest of the current epoch; returns why training must stop, or ''."""
         freq, p = self.cfg.train.update_freq, self.progress
-        data, batches = self.epochs.corpus(p.epoch), self.epochs.batches(p.epoch)
-        total, done = math.ceil(len(batches) / freq), math.ceil(p.batch_in_epoch / freq)
-        with monitor.progress(total, done, f"epoch {p.epoch}", enabled=self.main) as bar:
-            for start in range(p.batch_in_epoch, len(batches), freq):
-                group = batches[start : start + freq]
-                stats = self.update([collate(data, indices) for indices in group], p.step + 1, self.lr(p.step + 1))
+        n = len(self.epochs.batches(p.epoch))
+        total, done = math.ceil(n / freq), math.ceil(p.batch_in_epoch / freq)
+        loader = self.epochs.loader(p.epoch, p.batch_in_epoch)
+        with monitor.progress(total, done, f"epoch {p.epoch}", enabled=self.main) as bar, contextlib.closing(loader):
+            for start in range(p.batch_in_epoch, n, freq):
+                group = list(itertools.islice(loader, freq))
+                stats = self.update(group, p.step + 1, self.lr(p.step + 1))
                 p.batch_in_epoch = start + len(group)
                 bar.update(1)
                 if stats is not None:

@@ -1,0 +1,442 @@
+"""Preparing a training corpus once: a streaming pass into memory-mapped shards, reused until it changes.
+
+A prepared directory holds, for shard k (every SHARD_LINES lines of the raw files):
+
+    shard{k}.{src,tgt}.txt     the shard's UTF-8 lines, concatenated    (re-encoded when sampling subwords)
+    shard{k}.{src,tgt}.txtoff  int64 byte offsets into .txt, lines + 1
+    shard{k}.{src,tgt}.ids     EOS-terminated token ids of the kept pairs (uint16, or uint32 for big vocabularies)
+    shard{k}.{src,tgt}.off     int64 offsets into .ids, kept pairs + 1
+    shard{k}.len               uint16 length index: the longer side of each kept pair (what batching needs)
+    shard{k}.line              uint32 line of each kept pair within the shard's text
+
+Each shard holds lines of one training set (`data.train` may list several).
+
+plus the SentencePiece model(s) and `manifest.json`, which records the source
+files (size, mtime, a sampled content fingerprint), the settings the data
+depends on and the tokenizer's hash: any difference rebuilds the directory.
+Memory stays constant in the corpus size, except for the SentencePiece sample
+(`data.spm_sample` sentences at most, drawn by reservoir sampling).
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import random
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import zip_longest
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from seq2seq.config import DataConfig
+from seq2seq.data import decode_lines, find_file, misaligned, no_pairs
+from seq2seq.errors import DataError
+from seq2seq.tokenizer import Tokenizer, train_tokenizer
+from seq2seq.vocab import EOS
+
+log = logging.getLogger("seq2seq.prepare")
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+SHARD_LINES = 1_000_000
+CHUNK_LINES = 20_000  # lines one worker encodes at a time
+POOL_MIN_LINES = 100_000  # smaller corpora are encoded in this process: starting workers would cost more
+SETTINGS = ("train", "src_lang", "tgt_lang", "vocab_size", "shared_vocab", "spm_model_type", "spm_sample", "max_len")
+
+
+def tokenizer_hash(tokenizer: Tokenizer) -> str:
+    digest = hashlib.sha256(tokenizer.src_proto)
+    digest.update(tokenizer.tgt_proto or b"")
+    return digest.hexdigest()
+
+
+def fingerprint(path: Path, blocks: int = 16, block: int = 1 << 16) -> str:
+    """sha256 over the size and `blocks` evenly spaced blocks: cheap on any size, and it sees most edits."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        for k in range(blocks):
+            f.seek(max(0, (size - block) * k // max(1, blocks - 1)))
+            digest.update(f.read(block))
+    return digest.hexdigest()
+
+
+def describe_source(path: Path) -> dict[str, Any]:
+    stat = path.stat()
+    return {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "fp": fingerprint(path)}
+
+
+def read_manifest(directory: Path) -> dict[str, Any] | None:
+    try:
+        manifest: dict[str, Any] = json.loads((directory / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return manifest
+
+
+def stale_reason(directory: Path, d: DataConfig, tokenizer: Tokenizer | None) -> str:
+    """Why the prepared data in `directory` cannot be used for `d` ('' if it can)."""
+    manifest = read_manifest(directory)
+    if manifest is None or manifest.get("format") != FORMAT:
+        return "no prepared data"
+    changed = [key for key in SETTINGS if manifest["settings"].get(key) != settings(d)[key]]
+    if changed:
+        return f"data.{changed[0]} changed"
+    if manifest["sources"] != [describe_source(path) for pair in training_files(d) for path in pair]:
+        return "the training files changed"
+    if tokenizer is not None and manifest["tokenizer"] != tokenizer_hash(tokenizer):
+        return "the tokenizer differs"
+    return ""
+
+
+def training_files(d: DataConfig) -> list[tuple[Path, Path]]:
+    """(source, target) file of each training set."""
+    return [(find_file(d.dir, name, d.src_lang), find_file(d.dir, name, d.tgt_lang)) for name, _ in d.train_sets()]
+
+
+def settings(d: DataConfig) -> dict[str, Any]:
+    """What the prepared data depends on; the upsampling weights are applied when batching, so not them."""
+    names = [name for name, _ in d.train_sets()]
+    return {key: names if key == "train" else getattr(d, key) for key in SETTINGS}
+
+
+def ensure_prepared(d: DataConfig, directory: Path, tokenizer: Tokenizer | None = None, workers: int = 0) -> None:
+    """Prepare `directory` unless it already holds this data (with this tokenizer, when one is given)."""
+    reason = stale_reason(directory, d, tokenizer)
+    if reason:
+        log.debug("preparing %s into %s (%s)", d.train, directory, reason)  # errors stay one line
+        prepare(d, directory, tokenizer, workers)
+    else:
+        log.info("using the prepared data in %s", directory)
+
+
+def prepare(
+    d: DataConfig,
+    directory: Path,
+    tokenizer: Tokenizer | None = None,
+    workers: int = 0,
+    shard_lines: int = SHARD_LINES,
+    pool_min_lines: int = POOL_MIN_LINES,
+) -> dict[str, Any]:
+    """Build the prepared directory in a temporary one, then swap it in; returns the manifest."""
+    tmp = directory.with_name(directory.name + f".tmp{os.getpid()}")
+    _remove_abandoned(directory)
+    tmp.mkdir(parents=True)
+    try:
+        manifest = _build(d, tmp, tokenizer, workers, shard_lines, pool_min_lines)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+        shutil.rmtree(directory, ignore_errors=True)
+        tmp.rename(directory)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    shards, dropped = len(manifest["shards"]), manifest["dropped"]
+    log.info("prepared %d pairs in %d shard(s) (dropped %d empty, %d over-long)", manifest["pairs"], shards,
+             dropped["empty"], dropped["too_long"])  # fmt: skip
+    return manifest
+
+
+def _build(
+    d: DataConfig, out: Path, tokenizer: Tokenizer | None, workers: int, shard_lines: int, pool_min_lines: int
+) -> dict[str, Any]:
+    """Text shards, the tokenizer (unless given) and token shards in `out`; returns the manifest."""
+    files = training_files(d)
+    sources = [describe_source(path) for pair in files for path in pair]
+    where = ", ".join(f"{d.dir}/{name}" for name, _ in d.train_sets())
+    split = split_text(files, out, shard_lines, d.spm_sample // (2 if d.shared_vocab else 1))
+    log.info("preparing %d lines of %s into %s", split.lines, where, out.with_name(out.name.rpartition(".tmp")[0]))
+    if tokenizer is None:
+        log.info("training a %s SentencePiece vocabulary of %d on %d sampled pairs", d.spm_model_type,
+                 d.vocab_size, len(split.sample[0]))  # fmt: skip
+        source = " and ".join(str(path) for pair in files for path in pair)
+        tokenizer = train_tokenizer(*split.sample, d.vocab_size, d.shared_vocab, d.spm_model_type, source)
+    tokenizer.save(out)
+    pool = max(1, workers or os.cpu_count() or 1) if split.lines >= pool_min_lines else 1
+    shards, dropped = encode_shards(out, split.shard_lines, tokenizer, d.max_len, pool)
+    for shard, number in zip(shards, split.shard_sets):
+        shard["set"] = number
+    pairs = sum(shard["pairs"] for shard in shards)
+    if not pairs:
+        raise DataError(f"{where}: no sentence pairs left after filtering")
+    return {
+        "format": FORMAT,
+        "sources": sources,
+        "settings": settings(d),
+        "tokenizer": tokenizer_hash(tokenizer),
+        "dtype": id_dtype(tokenizer).name,
+        "shards": shards,
+        "lines": split.lines,
+        "pairs": pairs,
+        "dropped": dropped,
+    }
+
+
+def _remove_abandoned(directory: Path) -> None:
+    """Temporary directories of preparations that were killed (their process is gone)."""
+    for tmp in directory.parent.glob(directory.name + ".tmp*"):
+        pid = tmp.name.rpartition(".tmp")[2]
+        if pid.isdigit() and (int(pid) == os.getpid() or not _alive(int(pid))):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def id_dtype(tokenizer: Tokenizer) -> np.dtype[Any]:
+    largest = max(tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
+    return np.dtype(np.uint16 if largest <= 1 << 16 else np.uint32)
+
+
+# The streaming pass: raw files -> text shards, and the SentencePiece sample.
+
+
+@dataclass
+class SplitText:
+    lines: int
+    shard_lines: list[int]
+    shard_sets: list[int]  # which training set each shard holds
+    sample: tuple[list[str], list[str]]
+
+
+def raw_lines(path: Path) -> Iterator[str]:
+    """The decoded lines of a plain or gzipped file, streamed; errors name the file (and line)."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as f:
+            yield from decode_lines(f, str(path))
+    except (OSError, EOFError) as e:  # e.g. a truncated or fake .gz
+        raise DataError(f"{path}: cannot read ({e})") from None
+
+
+def split_text(files: list[tuple[Path, Path]], out: Path, shard_lines: int, sample_size: int) -> SplitText:
+    """Copy the aligned lines of each training set into text shards, checking them; sample pairs uniformly."""
+    split = SplitText(0, [], [], ([], []))
+    rng = random.Random(0)
+    for number, (src_path, tgt_path) in enumerate(files):
+        writer: _TextShard | None = None
+        with_text = any_line = False
+        src_lines, tgt_lines = raw_lines(src_path), raw_lines(tgt_path)
+        for n, (s, t) in enumerate(zip_longest(src_lines, tgt_lines)):
+            if s is None or t is None:  # one file ended: count the rest of the other for the message
+                rest = 1 + sum(1 for _ in (tgt_lines if s is None else src_lines))
+                counts = (n, n + rest) if s is None else (n + rest, n)
+                raise misaligned(src_path, counts[0], tgt_path, counts[1])
+            writer = writer or _TextShard(out, len(split.shard_lines))
+            writer.add(s, t)
+            with_text = with_text or bool(s.strip() and t.strip())
+            any_line = any_line or bool(s.strip() or t.strip())
+            split.lines += 1
+            _reservoir(split.sample, sample_size, split.lines, rng, s, t)
+            if writer.lines == shard_lines:
+                split.shard_lines.append(writer.close())
+                split.shard_sets.append(number)
+                writer = None
+        if writer is not None:
+            split.shard_lines.append(writer.close())
+            split.shard_sets.append(number)
+        if not with_text:
+            raise no_pairs(src_path, tgt_path, blank=not any_line)
+    return split
+
+
+def _reservoir(sample: tuple[list[str], list[str]], size: int, seen: int, rng: random.Random, s: str, t: str) -> None:
+    """Algorithm R: after `seen` pairs, each of them is in the sample with the same probability."""
+    if len(sample[0]) < size:
+        sample[0].append(s)
+        sample[1].append(t)
+    elif (j := rng.randrange(seen)) < size:
+        sample[0][j], sample[1][j] = s, t
+
+
+class _TextShard:
+    def __init__(self, out: Path, k: int) -> None:
+        self.files = [open(out / f"shard{k}.{side}.txt", "wb") for side in ("src", "tgt")]
+        self.offsets: list[list[int]] = [[0], [0]]
+        self.out, self.k, self.lines = out, k, 0
+
+    def add(self, src: str, tgt: str) -> None:
+        for f, offsets, line in zip(self.files, self.offsets, (src, tgt)):
+            data = line.encode("utf-8")
+            f.write(data)
+            offsets.append(offsets[-1] + len(data))
+        self.lines += 1
+
+    def close(self) -> int:
+        for f, offsets, side in zip(self.files, self.offsets, ("src", "tgt")):
+            f.close()
+            np.asarray(offsets, dtype=np.int64).tofile(self.out / f"shard{self.k}.{side}.txtoff")
+        return self.lines
+
+
+# Encoding: chunks of a shard's text, in worker processes.
+
+_worker_tokenizer: Tokenizer | None = None
+
+
+def _init_worker(state: dict[str, bytes | None]) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = Tokenizer.from_state(state)
+
+
+def text_lines(directory: Path, name: str, side: str, start: int, end: int) -> list[str]:
+    """Lines [start, end) of one side of a text shard, read through a memory map."""
+    offsets = np.memmap(directory / f"{name}.{side}.txtoff", dtype=np.int64, mode="r")
+    text = np.memmap(directory / f"{name}.{side}.txt", dtype=np.uint8, mode="r") if offsets[-1] else None
+    bounds = offsets[start : end + 1].tolist()
+    if text is None:
+        return [""] * (end - start)
+    data = bytes(text[bounds[0] : bounds[-1]])
+    base = bounds[0]
+    return [data[a - base : b - base].decode("utf-8") for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def encode_chunk(task: tuple[Path, str, int, int, int, str]) -> tuple[np.ndarray, ...]:
+    """(src ids, src lengths, tgt ids, tgt lengths, kept lines, [empty, too long]) of one chunk."""
+    directory, name, start, end, max_len, dtype = task
+    assert _worker_tokenizer is not None
+    src = _worker_tokenizer.encode_src(text_lines(directory, name, "src", start, end))
+    tgt = _worker_tokenizer.encode_tgt(text_lines(directory, name, "tgt", start, end))
+    kept = [i for i, (s, t) in enumerate(zip(src, tgt)) if s and t and len(s) <= max_len and len(t) <= max_len]
+    empty = sum(1 for s, t in zip(src, tgt) if not s or not t)
+    out: list[np.ndarray] = []
+    for side in (src, tgt):
+        out.append(np.fromiter((x for i in kept for x in side[i] + [EOS]), dtype=dtype))
+        out.append(np.fromiter((len(side[i]) + 1 for i in kept), dtype=np.int64, count=len(kept)))
+    kept_lines = np.asarray(kept, dtype=np.int64) + start
+    return (*out, kept_lines, np.asarray([empty, len(src) - len(kept) - empty]))
+
+
+def encode_shards(
+    directory: Path, shard_lines: list[int], tokenizer: Tokenizer, max_len: int, workers: int
+) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """Encode every shard's text (in `workers` processes when more than one) into token arrays."""
+    dtype = id_dtype(tokenizer).name
+    tasks = [
+        (directory, f"shard{k}", start, min(start + CHUNK_LINES, lines), max_len, dtype)
+        for k, lines in enumerate(shard_lines)
+        for start in range(0, lines, CHUNK_LINES)
+    ]
+    if workers > 1:
+        log.info("encoding %d lines in %d worker processes", sum(shard_lines), workers)
+        with multiprocessing.get_context("spawn").Pool(workers, _init_worker, (tokenizer.state(),)) as pool:
+            return _write_shards(directory, shard_lines, tasks, pool.imap(encode_chunk, tasks))
+    _init_worker(tokenizer.state())
+    return _write_shards(directory, shard_lines, tasks, map(encode_chunk, tasks))
+
+
+def _write_shards(
+    directory: Path, shard_lines: list[int], tasks: list[Any], results: Iterator[tuple[np.ndarray, ...]]
+) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    dropped = np.zeros(2, dtype=np.int64)
+    parts: dict[str, list[list[np.ndarray]]] = {f"shard{k}": [[], [], []] for k in range(len(shard_lines))}
+    files: dict[str, list[BinaryIO]] = {}
+    for (_, name, *_), (src, src_len, tgt, tgt_len, lines, drops) in zip(tasks, results):
+        if name not in files:
+            files[name] = [open(directory / f"{name}.{side}.ids", "wb") for side in ("src", "tgt")]
+        src.tofile(files[name][0])
+        tgt.tofile(files[name][1])
+        for store, array in zip(parts[name], (src_len, tgt_len, lines)):
+            store.append(array)
+        dropped += drops
+    for f in (f for pair in files.values() for f in pair):
+        f.close()
+    shards = [_finish_shard(directory, name, *store) for name, store in parts.items()]
+    return shards, {"empty": int(dropped[0]), "too_long": int(dropped[1])}
+
+
+def _finish_shard(
+    directory: Path, name: str, src_len: list[Any], tgt_len: list[Any], lines: list[Any]
+) -> dict[str, Any]:
+    """Offsets, the length index and the kept lines of one shard, from its chunks' lengths."""
+    lengths = [np.concatenate(side) for side in (src_len, tgt_len)]
+    for side, length in zip(("src", "tgt"), lengths):
+        np.concatenate([[0], np.cumsum(length)]).astype(np.int64).tofile(directory / f"{name}.{side}.off")
+    np.maximum(*lengths).astype(np.uint16).tofile(directory / f"{name}.len")
+    np.concatenate(lines).astype(np.uint32).tofile(directory / f"{name}.line")
+    return {"name": name, "pairs": int(len(lengths[0]))}
+
+
+# Reading: what training keeps in memory is the length index; the rest stays memory-mapped.
+
+
+class PreparedCorpus:
+    """The pairs of a prepared directory, addressed by a global index in corpus order.
+
+    Pickles as its path, so DataLoader workers reopen the memory maps instead of copying them.
+    """
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        manifest = read_manifest(self.directory)
+        if manifest is None:
+            raise DataError(f"{self.directory}: no prepared data (run `seq2seq prepare`)")
+        self.manifest = manifest
+        self.names = [shard["name"] for shard in manifest["shards"]]
+        self.starts = np.cumsum([0] + [shard["pairs"] for shard in manifest["shards"]])
+        self.lengths = np.concatenate([np.fromfile(self.directory / f"{n}.len", dtype=np.uint16) for n in self.names])
+        self.tokenizer = _load_tokenizer(self.directory)
+        sets = [shard.get("set", 0) for shard in manifest["shards"]]
+        self.set_ranges = [  # [first, last + 1) pair of each training set: its shards are consecutive
+            (int(self.starts[sets.index(k)]), int(self.starts[len(sets) - sets[::-1].index(k)]))
+            for k in sorted(set(sets))
+        ]
+        self._maps: dict[str, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"directory": self.directory}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["directory"])  # type: ignore[misc]
+
+    def _map(self, name: str, dtype: Any) -> np.ndarray:
+        if name not in self._maps:
+            self._maps[name] = np.memmap(self.directory / name, dtype=dtype, mode="r")
+        return self._maps[name]
+
+    def _locate(self, i: int) -> tuple[str, int]:
+        k = int(np.searchsorted(self.starts, i, side="right")) - 1
+        return self.names[k], i - int(self.starts[k])
+
+    def ids(self, i: int) -> tuple[list[int], list[int]]:
+        """The EOS-terminated source and target ids of pair i."""
+        name, j = self._locate(i)
+        out = []
+        for side in ("src", "tgt"):
+            offsets = self._map(f"{name}.{side}.off", np.int64)
+            out.append(self._map(f"{name}.{side}.ids", self.manifest["dtype"])[offsets[j] : offsets[j + 1]].tolist())
+        return out[0], out[1]
+
+    def text(self, i: int) -> tuple[str, str]:
+        """The source and target line of pair i, as read from the training files."""
+        name, j = self._locate(i)
+        line = int(self._map(f"{name}.line", np.uint32)[j])
+        out = []
+        for side in ("src", "tgt"):
+            offsets = self._map(f"{name}.{side}.txtoff", np.int64)
+            text = self._map(f"{name}.{side}.txt", np.uint8)
+            out.append(bytes(text[offsets[line] : offsets[line + 1]]).decode("utf-8"))
+        return out[0], out[1]
+
+
+def _load_tokenizer(directory: Path) -> Tokenizer:
+    shared = directory / "spm.model"
+    if shared.is_file():
+        return Tokenizer(shared.read_bytes())
+    return Tokenizer((directory / "spm.src.model").read_bytes(), (directory / "spm.tgt.model").read_bytes())
