@@ -222,10 +222,12 @@ def _load(path: Path) -> Any:
     check_torch_version()
     if not path.is_file():
         raise CheckpointError(f"checkpoint not found: {path}")
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; anything else is not ours
+        raise CheckpointError(f"{path}: not a readable checkpoint (corrupt or truncated, or not written by torch.save)")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        if "weights only" in str(e).lower() or "weights_only" in str(e):
+        if "unsupported global" in str(e).lower():  # the weights-only unpickler met a class or function
             raise CheckpointError(
                 f"{path}: refused as unsafe: it contains Python objects other than tensors and plain data"
             ) from None

@@ -367,6 +367,8 @@ def _crafted(checkpoint: Path, tmp_path: Path, damage: str) -> Path:
     raw = good.to_dict()
     if damage == "text file":
         path.write_text("this is not a checkpoint\n", encoding="utf-8")
+    elif damage == "a few bytes":  # e.g. /etc/hostname: unpickled, they looked like refused Python objects
+        path.write_bytes(b"abc1234\n")
     elif damage == "flipped bytes":
         data = bytearray(checkpoint.read_bytes())
         weight = max(good.model.values(), key=lambda t: t.numel())
@@ -393,6 +395,7 @@ def _crafted(checkpoint: Path, tmp_path: Path, damage: str) -> Path:
 
 CHECKPOINT_CASES = {
     "text file": "not a readable checkpoint",
+    "a few bytes": "not a readable checkpoint",
     "flipped bytes": "checksum mismatch",
     "python objects": "refused as unsafe",
     "huge model in config": "weights do not fit the stored config",
