@@ -200,8 +200,13 @@ def _prepare(args: argparse.Namespace) -> int:
     from seq2seq.run_dir import RunDirectory
     from seq2seq.training.setup import prepared_path
 
-    resume = RunDirectory(cfg.train.run_dir).resume_point()
-    ensure_prepared(cfg.data, prepared_path(cfg), resume.tokenizer if resume else None, args.workers)
+    run = RunDirectory(cfg.train.run_dir)
+    run.acquire()  # never rebuild the data under a `train` running in this directory
+    try:
+        resume = run.resume_point()
+        ensure_prepared(cfg.data, prepared_path(cfg), resume.tokenizer if resume else None, args.workers)
+    finally:
+        run.release()
     return 0
 
 

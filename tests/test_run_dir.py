@@ -170,3 +170,18 @@ def test_kill_9_at_random_moments_then_resume_gives_the_uninterrupted_weights(sm
     assert cli_train(small, run, *DROPOUT, "train.save_every=1", f"train.max_steps={steps}") == 0
     assert ckpt.read(run / ckpt.LAST).training.progress.step == steps
     _assert_same(weights(run), _uninterrupted(small, tmp_path, steps))
+
+
+def test_prepare_refuses_a_directory_that_a_train_holds(
+    small: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = RunDirectory(tmp_path / "run")
+    run.acquire()
+    try:
+        assert main(["prepare", "--config", str(TINY), *overrides(small, run.path)]) == 1
+        assert "in use by another training process" in one_line(capsys)
+        assert not (run.path / "prepared").exists()
+    finally:
+        run.release()
+    assert main(["prepare", "--config", str(TINY), *overrides(small, run.path)]) == 0
+    assert (run.path / "prepared").is_dir()
