@@ -135,7 +135,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
-    p.add_argument("--checkpoint", "-c", required=required, help="checkpoint file (e.g. RUN/checkpoint_best.pt)")
+    p.add_argument(
+        "--checkpoint",
+        "-c",
+        required=required,
+        action="append",
+        help="checkpoint file (e.g. RUN/checkpoint_best.pt); several -c decode them as an ensemble",
+    )
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument(
         "--threads",
@@ -214,6 +220,8 @@ def _translator(args: argparse.Namespace) -> Translator:
     """The checkpoint's model with its stored decode settings, changed by the command line's decode.* overrides."""
     from seq2seq.checkpoint import load_checkpoint
     from seq2seq.device import resolve_device
+    from seq2seq.ensemble import Ensemble, load_ensemble
+    from seq2seq.model import Seq2SeqModel
     from seq2seq.translate import Translator
 
     bad = [o for o in args.overrides if not o.startswith("decode.")]
@@ -226,9 +234,14 @@ def _translator(args: argparse.Namespace) -> Translator:
 
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device, option="--device")
-    loaded = load_checkpoint(args.checkpoint, device)
+    model: Seq2SeqModel | Ensemble
+    if len(args.checkpoint) > 1:
+        model, loaded = load_ensemble(args.checkpoint, device)  # decode settings and data: the first's
+    else:
+        loaded = load_checkpoint(args.checkpoint[0], device)
+        model = loaded.model
     config = apply_overrides(loaded.config, args.overrides)  # checked like a config file, with the model's limits
-    return Translator(loaded.model, loaded.tokenizer, config.decode, device, config.data)
+    return Translator(model, loaded.tokenizer, config.decode, device, config.data)
 
 
 CHUNK_LINES = 2000  # lines read before translating: enough to sort into full batches
@@ -279,8 +292,9 @@ def _refuse_output_that_is_read(args: argparse.Namespace, source: BinaryIO) -> N
     if not args.output:
         return
     output = Path(args.output)
-    if args.checkpoint and _same_file(output, Path(args.checkpoint)):
-        raise UserError(f"--output {args.output} is the checkpoint; writing there would empty it first")
+    for checkpoint in args.checkpoint or []:
+        if _same_file(output, Path(checkpoint)):
+            raise UserError(f"--output {args.output} is the checkpoint; writing there would empty it first")
     try:  # the input, whether named by --input or redirected to stdin, under any path or link
         read = os.fstat(source.fileno())
         reads_output = stat.S_ISREG(read.st_mode) and output.exists() and os.path.samestat(read, output.stat())
@@ -363,7 +377,7 @@ def _evaluate(args: argparse.Namespace) -> int:
         raise ConfigError(f"--bootstrap must be at least 1, got {args.bootstrap}")
     if args.save:
         _refuse_overwriting(
-            Path(args.save), "--save", args.hypotheses, args.src, args.ref, args.tok_ref, args.checkpoint
+            Path(args.save), "--save", args.hypotheses, args.src, args.ref, args.tok_ref, *(args.checkpoint or [])
         )
     tok_ref: Path | None = Path(args.tok_ref) if args.tok_ref else None
     if args.hypotheses:

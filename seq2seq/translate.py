@@ -22,6 +22,7 @@ from torch import Tensor
 from seq2seq.checkpoint import load_checkpoint
 from seq2seq.config import DataConfig, DecodeConfig, from_dict, replace_checked, to_dict
 from seq2seq.data import make_batches, pad
+from seq2seq.ensemble import Ensemble
 from seq2seq.model import Seq2SeqModel
 from seq2seq.search import Hypothesis, search
 from seq2seq.tokenizer import Tokenizer
@@ -29,7 +30,7 @@ from seq2seq.vocab import EOS, PAD
 
 log = logging.getLogger(__name__)
 
-SearchFn = Callable[[Seq2SeqModel, Tensor, Tensor, DecodeConfig, int], list[list[Hypothesis]]]
+SearchFn = Callable[[Any, Tensor, Tensor, DecodeConfig, int], list[list[Hypothesis]]]
 """(model, src (B, S), src_pad_mask (B, S), settings, limit) -> hypotheses per sentence, as `search.search`."""
 
 
@@ -59,7 +60,7 @@ class Translator:
 
     def __init__(
         self,
-        model: Seq2SeqModel,
+        model: Seq2SeqModel | Ensemble,
         tokenizer: Tokenizer,
         decode: DecodeConfig,
         device: str | torch.device = "cpu",
