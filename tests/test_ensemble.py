@@ -11,6 +11,7 @@ from conftest import reversal_pairs
 from seq2seq import checkpoint as ckpt
 from seq2seq.cli import main
 from seq2seq.ensemble import Ensemble, load_ensemble
+from seq2seq.model import build_model
 from seq2seq.tokenizer import train_tokenizer
 from seq2seq.translate import Translator
 
@@ -56,5 +57,8 @@ def test_members_must_share_the_vocabulary(
 
 
 def test_the_ensemble_limit_is_its_shortest_member(trained_run: Path) -> None:
-    ensemble, _ = load_ensemble([trained_run / "checkpoint_best.pt"] * 2)
-    assert isinstance(ensemble, Ensemble) and ensemble.max_positions == ensemble.models[0].max_positions
+    stored = ckpt.read(trained_run / "checkpoint_best.pt")
+    vocab = stored.tokenizer.tgt_vocab_size
+    short = dataclasses.replace(stored.config.model, max_positions=64)
+    members = [build_model(stored.config.model, vocab, vocab), build_model(short, vocab, vocab)]
+    assert members[0].max_positions > 64 and Ensemble(members).max_positions == 64
