@@ -101,6 +101,15 @@ class MultiHeadAttention(nn.Module):
         )  # (B, H, T, Dh)
         return self.merge_heads(out)
 
+    def attend_with_weights(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        """`attend` spelled out, also returning the weights (B, H, T, S), 0 where `mask` forbids.
+
+        Only for looking at the attention (pictures, alignments): the fused kernel
+        never materialises the weights, so decoding and training keep `attend`.
+        """
+        weights = (q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])).masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        return self.merge_heads(weights @ v), weights
+
     def merge_heads(self, out: Tensor) -> Tensor:
         """(B, H, T, Dh) -> W_O applied to the concatenated heads, (B, T, D)."""
         B, _, T, _ = out.shape
@@ -181,6 +190,9 @@ class DecoderCache:
         self.layers = layers
         self.cross_mask = cross_mask  # (B, 1, 1, S) True where attention is allowed
         self.step = 0  # position of the next token
+        # None: nothing recorded. A list: each step appends its cross-attention weights (B, L, H, S),
+        # rows as they are at that step (reorder and select leave what was recorded alone).
+        self.attention: list[Tensor] | None = None
 
     @property
     def batch_size(self) -> int:
