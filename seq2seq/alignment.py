@@ -97,6 +97,10 @@ def teacher_forced_attention(model: IncrementalModel, src: Tensor, src_pad_mask:
 
 def select(weights: Tensor, layer: LayerChoice, heads: str) -> tuple[Tensor, list[str], list[str]]:
     """The chosen layers and heads of weights (B, T, L, H, S): (B, T, L', H', S) and their names."""
+    if heads not in HEAD_CHOICES:
+        raise ConfigError(f"attention heads must be {' or '.join(HEAD_CHOICES)}; got {heads!r}")
+    if layer not in ("last", "all") and not (isinstance(layer, int) and layer >= 1):
+        raise ConfigError(f"attention layer must be last, all or a layer number from 1; got {layer!r}")
     L, H = weights.shape[2], weights.shape[3]
     if layer == "all":
         chosen, layers = weights, [f"layer {i + 1}" for i in range(L)]

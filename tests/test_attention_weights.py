@@ -134,6 +134,10 @@ def test_layers_and_heads_are_chosen_and_named() -> None:
         select(weights, 4, "mean")
     with pytest.raises(AttentionError, match="layer 3 does not exist"):
         require_attention(tiny_model(), 3)
+    with pytest.raises(ConfigError, match="attention layer must be last, all or a layer number from 1; got 0"):
+        select(weights, 0, "mean")
+    with pytest.raises(ConfigError, match="attention heads must be mean or each; got 'max'"):
+        select(weights, "last", "max")
 
 
 @pytest.mark.parametrize("text, expected", [("last", "last"), ("all", "all"), ("1", 1), ("12", 12)])
