@@ -291,6 +291,12 @@ def test_ctrl_c_is_one_line_and_exit_130(
     assert outcome.err.strip().splitlines()[-1].startswith("seq2seq: interrupted")
 
 
+def _default_sigint() -> None:
+    """Undo an inherited SIG_IGN: a shell starts background jobs (such as this test run) with SIGINT ignored,
+    and Python then leaves it ignored in the child, which would read on to EOF and exit 0."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_sigint_to_a_real_translate_process(checkpoint: Path) -> None:
     """A real signal, while the process waits for the next stdin line (after the first was translated)."""
     env = {**single_thread_env(), "PYTHONPATH": str(ROOT)}
@@ -300,6 +306,7 @@ def test_sigint_to_a_real_translate_process(checkpoint: Path) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=env,
+        preexec_fn=_default_sigint,
     )
     try:
         assert proc.stdin is not None and proc.stdout is not None
