@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seq2seq.model.attention import LayerCache, MultiHeadAttention
+from seq2seq.model.attention import LayerCache, MultiHeadAttention, Packing
 
 
 @dataclass(frozen=True)
@@ -85,9 +85,9 @@ class EncoderLayer(nn.Module):
         self.attn_block = Residual(d_model, dropout, norm_first, options.norm(d_model))
         self.ffn_block = Residual(d_model, dropout, norm_first, options.norm(d_model))
 
-    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
-        """x: (B, S, D); mask: (B, 1, 1, S) True where attention is allowed."""
-        x = self.attn_block(x, lambda h: self.self_attn.self_attention(h, mask=mask))
+    def forward(self, x: Tensor, mask: Tensor, packing: Packing | None = None) -> Tensor:
+        """x: (B, S, D), or (n, D) at the real positions of `packing`; mask: (B, 1, 1, S) True where allowed."""
+        x = self.attn_block(x, lambda h: self.self_attn.self_attention(h, mask=mask, packing=packing))
         return self.ffn_block(x, self.ffn)
 
 
@@ -121,11 +121,6 @@ class DecoderLayer(nn.Module):
 
     def step(self, x: Tensor, cache: LayerCache, memory_mask: Tensor) -> Tensor:
         """One incremental position. x: (B, 1, D); appends this step's keys/values to `cache`."""
-        x = self.self_block(x, lambda h: self.self_attn.self_attention(h, cache=cache))
-        x = self.cross_block(
-            x,
-            lambda h: self.cross_attn.attend(
-                self.cross_attn.project_query(h), cache.cross_k, cache.cross_v, memory_mask
-            ),
-        )
-        return self.ffn_block(x, self.ffn)
+        x = self.self_block(x, lambda h: self.self_attn.cached_self_attention(h, cache))
+        x = self.cross_block(x, lambda h: cache.cross_attention(self.cross_attn, h, memory_mask))
+        return self.ffn_block(x, cache.linears.ffn)
