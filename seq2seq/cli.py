@@ -25,6 +25,8 @@ from seq2seq.errors import ConfigError, DataError, UserError
 from seq2seq.serve import options as serve_options
 
 if TYPE_CHECKING:
+    from tqdm import tqdm
+
     from seq2seq.config import DataConfig
     from seq2seq.translate import Translation, Translator
 
@@ -265,20 +267,53 @@ def _translate(args: argparse.Namespace) -> int:
             log.info("translating each line typed on stdin; end with Ctrl-D")
         size = 1 if args.interactive or from_terminal else CHUNK_LINES
         sink = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+        bar = None if from_terminal or args.interactive else _progress_bar(args.input)
         try:
             done = 0
             for chunk in _chunks(decode_lines(source, args.input or "stdin"), size):
-                for result in translator.translate_full(chunk, first_line=done + 1):
+                for result in translator.translate_full(
+                    chunk, first_line=done + 1, progress=None if bar is None else bar.update
+                ):
                     sink.write(_format(result, args.format) + "\n")
                 sink.flush()
                 done += len(chunk)
         finally:
+            if bar is not None:
+                bar.close()
             if args.output:
                 sink.close()
     finally:
         if args.input:
             source.close()
     return 0
+
+
+def _progress_bar(path: str | Path | None, total: int | None = None) -> tqdm | None:
+    """A bar on stderr (sentences done, sentences/s, and the ETA when the number of lines is known)
+    when stderr is a terminal; None otherwise, so that pipes and logs stay clean.
+
+    path: the input file, whose lines are counted when `total` is not given (None: stdin, not counted).
+    """
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    if total is None and path is not None:
+        total = _count_lines(Path(path))
+    return tqdm(total=total, unit="sent", desc="translating", file=sys.stderr, dynamic_ncols=True)
+
+
+def _count_lines(path: Path) -> int | None:
+    """Lines of a file as `decode_lines` splits them (a last line without a newline counts); None if unreadable."""
+    try:
+        with open(path, "rb") as f:
+            count, last = 0, b"\n"
+            for block in iter(lambda: f.read(1 << 20), b""):
+                count += block.count(b"\n")
+                last = block[-1:]
+    except OSError:
+        return None
+    return count + (last != b"\n")
 
 
 def _stdin() -> BinaryIO:
@@ -392,7 +427,12 @@ def _evaluate(args: argparse.Namespace) -> int:
         lang = translator.data.tgt_lang
         if tok_ref is None and args.ref is None:
             tok_ref = _default_tok_ref(translator.data)
-        hyps = translator.translate(src)
+        bar = _progress_bar(None, total=len(src))
+        try:
+            hyps = translator.translate(src, progress=None if bar is None else bar.update)
+        finally:
+            if bar is not None:
+                bar.close()
     if len(hyps) != len(refs):
         raise DataError(f"{len(hyps)} hypotheses but {len(refs)} references")
     if args.save:

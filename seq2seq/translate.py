@@ -30,6 +30,9 @@ from seq2seq.vocab import EOS, PAD
 
 log = logging.getLogger(__name__)
 
+Progress = Callable[[int], None]
+"""Called with the number of lines just translated (e.g. a progress bar's `update`)."""
+
 SearchFn = Callable[[Any, Tensor, Tensor, DecodeConfig, int], list[list[Hypothesis]]]
 """(model, src (B, S), src_pad_mask (B, S), settings, limit) -> hypotheses per sentence, as `search.search`."""
 
@@ -89,18 +92,23 @@ class Translator:
         translator.decode = replace_checked(self.decode, changes, "decode settings", "decode.")
         return translator
 
-    def translate(self, lines: Sequence[str]) -> list[str]:
+    def translate(self, lines: Sequence[str], progress: Progress | None = None) -> list[str]:
         """Best translation of each line."""
-        return [t.text for t in self.translate_full(lines)]
+        return [t.text for t in self.translate_full(lines, progress=progress)]
 
-    def translate_full(self, lines: Sequence[str], first_line: int = 1) -> list[Translation]:
+    def translate_full(
+        self, lines: Sequence[str], first_line: int = 1, progress: Progress | None = None
+    ) -> list[Translation]:
         """Translations with n-best hypotheses, scores and token log-probabilities, in input order.
 
-        `first_line` numbers the lines in warnings (for input read in chunks).
+        `first_line` numbers the lines in warnings (for input read in chunks);
+        `progress` is told how many more lines are done after each batch.
         """
         ids = self._encode(lines, first_line)
         results: list[list[Hypothesis]] = [[] for _ in lines]
         todo = [i for i, seq in enumerate(ids) if len(seq) > 1]  # empty lines translate to ""
+        if progress is not None and len(todo) < len(lines):
+            progress(len(lines) - len(todo))
         was_training = self.model.training
         self.model.eval()
         try:
@@ -110,6 +118,8 @@ class Translator:
                 hyps = self.search_fn(self.model, src, src == PAD, self.decode, self.model.max_positions - 1)
                 for i, h in zip(indices, hyps):
                     results[i] = h
+                if progress is not None:
+                    progress(len(indices))
         finally:
             self.model.train(was_training)
         return [
