@@ -282,24 +282,32 @@ class DecoderCache:
     Each kind of key/value lives in one tensor for all L layers, so that beam
     reordering and dropping finished sentences copy once, not once per layer:
     - `cross` (L, 2, G, H, S, Dh): the encoder output's keys and values, once
-      per source sentence: rows r*group .. r*group+group-1 (N = G * group) all
+      per source sentence: rows r*group .. r*group+group-1 (P = G * group) all
       translate source r, so a beam of K hypotheses reads one copy, not K;
-    - `self_kv` (L, 2, N, H, capacity, Dh): the decoded positions' keys and
+    - `self_kv` (L, 2, P, H, capacity, Dh): the decoded positions' keys and
       values, 0 .. step-1 valid. It is preallocated and written in place, its
-      capacity growing by `CHUNK` positions when full (a concatenation per
-      step would copy the whole cache at every step). Reordering copies the
-      valid positions into a second buffer of the same size, and the two swap,
-      so that a step allocates nothing.
+      capacity (at first the source length) growing by `CHUNK` positions when
+      full: a concatenation per step would copy the whole cache at every
+      step. Reordering copies the valid positions into a second buffer of the
+      same size, and the two swap, so that a step allocates nothing.
+
+    Rows that search drops (finished sentences) are not always copied away:
+    while most rows are alive, `rows` maps the N rows search sees to the P
+    rows stored, and a step computes the dropped ones too (but not their
+    vocabulary projection), which costs less than compacting the whole cache
+    at every step where a sentence ends.
     """
 
     CHUNK = 16
+    KEEP_DROPPED = 0.25  # compact once more than this fraction of the stored rows is dropped
 
     def __init__(self, cross: Tensor, cross_mask: Tensor, linears: DecoderLinears) -> None:
         self.cross = cross  # (L, 2, G, H, S, Dh)
         self.cross_mask = cross_mask  # (G, 1, 1, S) True where attention is allowed
         self.group = 1  # rows per source sentence
         self.step = 0  # position of the next token
-        self.self_kv: Tensor | None = None  # (L, 2, N, H, capacity, Dh): the first N rows of _buffer
+        self.rows: Tensor | None = None  # (N,) the stored row of each row search sees; None: the same
+        self.self_kv: Tensor | None = None  # (L, 2, P, H, capacity, Dh): the first P rows of _buffer
         self._buffer: Tensor | None = None
         self._spare: Tensor | None = None  # as large as _buffer, once a reorder has needed it
         self._cross_bias: Tensor | None = None
@@ -307,20 +315,35 @@ class DecoderCache:
         self.layers = [LayerCache(self, i, layer) for i, layer in enumerate(linears.layers)]
 
     @property
+    def stored_rows(self) -> int:
+        return self.cross_mask.shape[0] * self.group  # P
+
+    @property
     def batch_size(self) -> int:
-        return self.cross_mask.shape[0] * self.group
+        return self.stored_rows if self.rows is None else self.rows.shape[0]  # N
+
+    def stored(self, tokens: Tensor) -> Tensor:
+        """Search's rows (N, ...) -> the stored rows (P, ...), zeros in dropped ones."""
+        if self.rows is None:
+            return tokens
+        return tokens.new_zeros(self.stored_rows, *tokens.shape[1:]).index_copy_(0, self.rows, tokens)
+
+    def searched(self, x: Tensor) -> Tensor:
+        """The stored rows (P, ...) -> search's rows (N, ...)."""
+        return x if self.rows is None else x.index_select(0, self.rows)
 
     def reserve(self, like: Tensor, end: int) -> Tensor:
         """The self-attention keys/values, allocated or grown so that positions up to `end` fit.
 
-        like: a layer's keys (N, H, T, Dh), for the buffer's shape, dtype and device.
+        like: a layer's keys (P, H, T, Dh), for the buffer's shape, dtype and device.
         """
         kv = self.self_kv
         if kv is not None and kv.shape[4] >= end:
             return kv
-        N, H, _, Dh = like.shape
-        capacity = -(-end // self.CHUNK) * self.CHUNK  # rounded up to whole chunks
-        grown = like.new_empty(len(self.layers), 2, N, H, capacity, Dh)
+        P, H, _, Dh = like.shape
+        wanted = end if kv is not None else max(end, self.cross.shape[4])  # at first: the source length
+        capacity = -(-wanted // self.CHUNK) * self.CHUNK  # rounded up to whole chunks
+        grown = like.new_empty(len(self.layers), 2, P, H, capacity, Dh)
         if kv is not None:
             grown[:, :, :, :, : self.step] = kv[:, :, :, :, : self.step]
         self.self_kv, self._buffer, self._spare = grown, grown, None
@@ -332,6 +355,37 @@ class DecoderCache:
         Only the self-attention keys/values move: the cross-attention ones are the
         same for every hypothesis of a sentence.
         """
+        if self.rows is not None:  # rows were dropped since the last copy: copy all at once
+            self.select(index)
+        else:
+            self._move(index)
+
+    def select(self, index: Tensor) -> None:
+        """Keep (or repeat) whole rows, cross-attention included: for dropping
+        finished sentences or expanding each sentence to its beam."""
+        rows = index if self.rows is None else self.rows.index_select(0, index)
+        if self._may_skip(rows):
+            self.rows = rows
+            return
+        self.rows = None
+        self._move(rows)
+        sources, self.group = source_groups(torch.div(rows, self.group, rounding_mode="floor"))
+        if not torch.equal(sources, torch.arange(self.cross.shape[2], device=sources.device)):
+            self.cross = self.cross.index_select(2, sources)
+            self.cross_mask = self.cross_mask.index_select(0, sources)
+            self._cross_bias = None
+        for layer in self.layers:
+            layer.cross_k, layer.cross_v = self.cross[layer.index, 0], self.cross[layer.index, 1]
+
+    def _may_skip(self, rows: Tensor) -> bool:
+        """Whether `rows` (stored rows to keep) can stay a map: each row once, in order, and most of them."""
+        P = self.stored_rows
+        if rows.shape[0] >= P or rows.shape[0] < (1 - self.KEEP_DROPPED) * P:
+            return False
+        return bool((rows[1:] > rows[:-1]).all())
+
+    def _move(self, index: Tensor) -> None:
+        """Stored self-attention rows <- their rows `index`."""
         if self.self_kv is None or self._buffer is None:
             return
         n, (L, _, rows, H, capacity, Dh) = index.shape[0], self._buffer.shape
@@ -343,18 +397,6 @@ class DecoderCache:
         valid = (slice(None), slice(None), slice(None), slice(None), slice(0, self.step))
         torch.index_select(self.self_kv[valid], 2, index, out=target[:, :, :n][valid])
         self.self_kv, self._buffer, self._spare = target[:, :, :n], target, spare
-
-    def select(self, index: Tensor) -> None:
-        """Keep (or repeat) whole rows, cross-attention included: for dropping
-        finished sentences or expanding each sentence to its beam."""
-        self.reorder(index)
-        sources, self.group = source_groups(torch.div(index, self.group, rounding_mode="floor"))
-        if not torch.equal(sources, torch.arange(self.cross.shape[2], device=sources.device)):
-            self.cross = self.cross.index_select(2, sources)
-            self.cross_mask = self.cross_mask.index_select(0, sources)
-            self._cross_bias = None
-        for layer in self.layers:
-            layer.cross_k, layer.cross_v = self.cross[layer.index, 0], self.cross[layer.index, 1]
 
     def cross_bias(self, like: Tensor) -> Tensor:
         """cross_mask as an additive bias (G * H, 1, S): 0 where attention is allowed, -inf at padding.

@@ -109,11 +109,11 @@ class Decoder(nn.Module):
         return self.output(x)  # (B, T, V) or (N, V)
 
     def step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
-        x = self.embedding(tokens, start=cache.step)  # (B, 1, D)
+        x = self.embedding(cache.stored(tokens), start=cache.step)  # (P, 1, D)
         for layer, layer_cache in zip(self.layers, cache.layers):
             x = cast(DecoderLayer, layer).step(x, layer_cache, cache.cross_mask)
         cache.step += 1
-        return cache.output(self.final_norm(x))[:, 0]  # (B, V)
+        return cache.output(cache.searched(self.final_norm(x)[:, 0]))  # (B, V)
 
     def train(self, mode: bool = True) -> Decoder:
         if mode:
