@@ -30,6 +30,14 @@ have finished, or when all its live hypotheses are forced to end at max_len_i.
 With alpha > 0 a live hypothesis could in principle still overtake a finished
 one; like fairseq we do not keep searching for it.
 
+Prefixes. A sentence may come with a target prefix (B, P) of tokens, PAD after
+its end: its first tokens are forced to the prefix, in every strategy, and
+search continues freely after it. A forced token is scored like any other (its
+model log-probability counts in L and in token_scores), and the length limit
+max_len_i is raised to the prefix's length when it is shorter (so the output
+may be the prefix and EOS). Beam search carries one live hypothesis through
+the prefix and widens after it.
+
 Batch invariance. Every operation is per sentence (per row, or per group of K
 rows), and a sampled sentence draws from its own random stream, seeded by
 decode.seed and its source tokens, so a translation does not depend on which
@@ -71,11 +79,15 @@ def length_penalty(length: int | Tensor, alpha: float) -> float | Tensor:
     return ((5 + length) / 6) ** alpha
 
 
-def max_lengths(src_pad_mask: Tensor, cfg: DecodeConfig, limit: int) -> Tensor:
-    """Tokens allowed before EOS per sentence: a * source length + b, within [min_len, min(max_len, limit)]. (B,)"""
+def max_lengths(src_pad_mask: Tensor, cfg: DecodeConfig, limit: int, prefix: Tensor | None = None) -> Tensor:
+    """Tokens allowed before EOS per sentence: a * source length + b, within [min_len, min(max_len, limit)],
+    and at least the prefix's length (B, P) when there is one (still within limit). (B,)"""
     src_len = (~src_pad_mask).sum(dim=1).float()
     lengths = (cfg.max_len_a * src_len + cfg.max_len_b).floor().long()
-    return lengths.clamp(min=cfg.min_len).clamp(max=min(cfg.max_len, limit))
+    lengths = lengths.clamp(min=cfg.min_len).clamp(max=min(cfg.max_len, limit))
+    if prefix is None:
+        return lengths
+    return torch.maximum(lengths, (prefix != PAD).sum(dim=1)).clamp(max=limit)
 
 
 def constrain(logprobs: Tensor, step: int, max_len: Tensor, history: Tensor, cfg: DecodeConfig) -> Tensor:
@@ -101,6 +113,37 @@ def constrain(logprobs: Tensor, step: int, max_len: Tensor, history: Tensor, cfg
         # A model that rules EOS out entirely (possible only with -inf logits) gets a cut, scored 0.
         logprobs[forced, EOS] = model_eos[forced].nan_to_num(neginf=0.0)
     return logprobs
+
+
+def next_logprobs(
+    logits: Tensor, step: int, max_len: Tensor, history: Tensor, cfg: DecodeConfig, forced: Tensor | None
+) -> Tensor:
+    """The model's log-probabilities (N, V) for position `step`, constrained (see `constrain`).
+
+    `forced` (N,) holds a prefix token for the rows that must take one (PAD for
+    the others): such a row keeps only that token, at the model's log-probability.
+    """
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    if forced is None:
+        return constrain(logprobs, step, max_len, history, cfg)
+    # (N,) before constrain masks them; a model that rules the token out entirely (only -inf logits
+    # can) gets it scored 0, as constrain does for a forced EOS, so that the prefix always appears.
+    model_scores = logprobs.gather(1, forced[:, None])[:, 0].nan_to_num(neginf=0.0)
+    logprobs = constrain(logprobs, step, max_len, history, cfg)
+    rows = (forced != PAD).nonzero().flatten()
+    logprobs[rows] = NEG_INF
+    logprobs[rows, forced[rows]] = model_scores[rows]
+    return logprobs
+
+
+def forced_tokens(prefix: Tensor | None, step: int, sentence: Tensor) -> Tensor | None:
+    """The prefix token each row must take at `step` (PAD: none), or None when no row has one.
+
+    prefix: (B, P) PAD after each prefix's end; sentence: (N,) the batch index of each row.
+    """
+    if prefix is None or step >= prefix.shape[1]:
+        return None
+    return prefix[sentence, step]
 
 
 def block_repeated_ngrams(logprobs: Tensor, tokens: Tensor, n: int) -> None:
@@ -167,22 +210,29 @@ def sentence_uniforms(src: Tensor, src_pad_mask: Tensor, seed: int, steps: int) 
 
 @torch.inference_mode()
 def sequential_search(
-    model: IncrementalModel, src: Tensor, src_pad_mask: Tensor, cfg: DecodeConfig, pick: Picker, limit: int
+    model: IncrementalModel,
+    src: Tensor,
+    src_pad_mask: Tensor,
+    cfg: DecodeConfig,
+    pick: Picker,
+    limit: int,
+    prefix: Tensor | None = None,
 ) -> list[list[Hypothesis]]:
-    """Decode one hypothesis per sentence, choosing each token with `pick`.
+    """Decode one hypothesis per sentence, choosing each token with `pick` (after the forced prefix, if any).
 
     Finished sentences leave the batch, so later steps compute only live rows.
     """
     B = src.shape[0]
     cache = model.init_cache(model.encode(src, src_pad_mask), src_pad_mask)
-    max_len = max_lengths(src_pad_mask, cfg, limit)  # (B,)
+    max_len = max_lengths(src_pad_mask, cfg, limit, prefix)  # (B,)
     alive = torch.arange(B, device=src.device)  # batch index of each row
     history = torch.full((B, 1), BOS, dtype=torch.long, device=src.device)  # (N, step + 1)
     step_scores = torch.zeros(B, 0, device=src.device)  # (N, step)
     results: list[list[Hypothesis]] = [[] for _ in range(B)]
     for step in itertools.count():  # ends: EOS is forced once step reaches max_len
         logits = model.decode_step(history[:, -1:], cache)  # (N, V)
-        logprobs = constrain(torch.log_softmax(logits.float(), dim=-1), step, max_len[alive], history, cfg)
+        forced = forced_tokens(prefix, step, alive)
+        logprobs = next_logprobs(logits, step, max_len[alive], history, cfg, forced)
         token = pick(logprobs, alive, step)  # (N,)
         history = torch.cat([history, token[:, None]], dim=1)
         step_scores = torch.cat([step_scores, logprobs.gather(1, token[:, None])], dim=1)
@@ -298,7 +348,12 @@ class Finished:
 
 @torch.inference_mode()
 def beam_search(
-    model: IncrementalModel, src: Tensor, src_pad_mask: Tensor, cfg: DecodeConfig, limit: int
+    model: IncrementalModel,
+    src: Tensor,
+    src_pad_mask: Tensor,
+    cfg: DecodeConfig,
+    limit: int,
+    prefix: Tensor | None = None,
 ) -> list[list[Hypothesis]]:
     """Batched beam search; up to `cfg.nbest` distinct hypotheses per sentence, best first.
 
@@ -309,7 +364,7 @@ def beam_search(
     """
     B, K, device = src.shape[0], cfg.beam_size, src.device
     cache = model.init_cache(model.encode(src, src_pad_mask), src_pad_mask)
-    max_len = max_lengths(src_pad_mask, cfg, limit)  # (N,)
+    max_len = max_lengths(src_pad_mask, cfg, limit, prefix)  # (N,)
     sentence = torch.arange(B, device=device)  # batch index of each searching sentence
     scores = torch.zeros(B, 1, device=device)  # (B, rows per sentence)
     history = torch.full((B, 1), BOS, dtype=torch.long, device=device)  # (N, step + 1)
@@ -317,7 +372,8 @@ def beam_search(
     finished = Finished(B, K, device)
     for step in itertools.count():  # ends: EOS is forced once step reaches max_len
         logits = model.decode_step(history[:, -1:], cache)  # (N, V)
-        logprobs = constrain(torch.log_softmax(logits.float(), dim=-1), step, max_len, history, cfg)
+        forced = forced_tokens(prefix, step, sentence.repeat_interleave(scores.shape[1]))
+        logprobs = next_logprobs(logits, step, max_len, history, cfg, forced)
         out = beam_step(scores, logprobs, K)
         finished.collect(out, sentence, history, step_scores, logprobs)
         rows, tokens = out.next_rows.flatten(), out.next_tokens.flatten()  # (B * K,)
@@ -345,17 +401,24 @@ def beam_search(
 
 
 def search(
-    model: IncrementalModel, src: Tensor, src_pad_mask: Tensor, cfg: DecodeConfig, limit: int
+    model: IncrementalModel,
+    src: Tensor,
+    src_pad_mask: Tensor,
+    cfg: DecodeConfig,
+    limit: int,
+    prefix: Tensor | None = None,
 ) -> list[list[Hypothesis]]:
     """Hypotheses for each sentence of src (B, S) with `cfg.strategy`, best first.
 
-    `limit` caps the tokens before EOS (the model's positions minus one).
+    `limit` caps the tokens before EOS (the model's positions minus one); `prefix`
+    (B, P), PAD after each prefix's end, forces the first tokens of each sentence.
     """
     if cfg.strategy == "beam":
-        return beam_search(model, src, src_pad_mask, cfg, limit)
+        return beam_search(model, src, src_pad_mask, cfg, limit, prefix)
     if cfg.strategy == "greedy":
-        return sequential_search(model, src, src_pad_mask, cfg, pick_greedy, limit)
+        return sequential_search(model, src, src_pad_mask, cfg, pick_greedy, limit, prefix)
     if cfg.strategy == "sample":
-        pick = make_sampler(cfg, src, src_pad_mask, min(cfg.max_len, limit) + 1)
-        return sequential_search(model, src, src_pad_mask, cfg, pick, limit)
+        longest = max(min(cfg.max_len, limit), prefix.shape[1] if prefix is not None else 0)
+        pick = make_sampler(cfg, src, src_pad_mask, longest + 1)
+        return sequential_search(model, src, src_pad_mask, cfg, pick, limit, prefix)
     raise ValueError(f"unknown decoding strategy {cfg.strategy!r}: use beam, greedy or sample")

@@ -71,6 +71,11 @@ class Packing:
         return full.view(self.batch, self.length, *x.shape[1:])
 
 
+def attention_weights(q: Tensor, k: Tensor, mask: Tensor) -> Tensor:
+    """softmax(Q K^T / sqrt(Dh)) written out: (B, H, T, Dh), (B, H, S, Dh) -> (B, H, T, S), 0 where `mask` forbids."""
+    return (q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])).masked_fill(~mask, float("-inf")).softmax(dim=-1)
+
+
 def concat_heads(out: Tensor) -> Tensor:
     """(B, H, T, Dh) -> (B, T, H * Dh)."""
     B, H, T, Dh = out.shape
@@ -149,6 +154,15 @@ class MultiHeadAttention(nn.Module):
             q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=causal
         )  # (B, H, T, Dh)
         return self.merge_heads(out, packing)
+
+    def attend_with_weights(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        """`attend` spelled out, also returning the weights (B, H, T, S), 0 where `mask` forbids.
+
+        Only for looking at the attention (pictures, alignments): the fused kernel
+        never materialises the weights, so decoding and training keep `attend`.
+        """
+        weights = attention_weights(q, k, mask)
+        return self.merge_heads(weights @ v), weights
 
     def merge_heads(self, out: Tensor, packing: Packing | None = None) -> Tensor:
         """(B, H, T, Dh) -> W_O applied to the concatenated heads, (B, T, D), or (n, D) at the packed positions."""
@@ -259,17 +273,25 @@ class LayerCache:
         layer[1, :, :, start:end] = v
         return layer[0, :, :, :end], layer[1, :, :, :end]  # (N, H, end, Dh) each
 
-    def cross_attention(self, attention: MultiHeadAttention, x: Tensor, mask: Tensor) -> Tensor:
+    def cross_attention(
+        self, attention: MultiHeadAttention, x: Tensor, mask: Tensor, weights: list[Tensor] | None = None
+    ) -> Tensor:
         """Cross-attention of x (N, T, D) over the cached encoder keys/values -> (N, T, D).
 
-        mask: the cache's cross_mask (G, 1, 1, S).
+        mask: the cache's cross_mask (G, 1, 1, S). With a `weights` list, the
+        attention weights (N, H, T, S) are appended to it.
 
         The `group` rows of one source (a sentence's beam) attend to its single
         copy of the keys/values together, as `group` query positions.
         """
         N, T, D = x.shape
         q = attention.split_heads(self.linears.cross_query(x).view(-1, self.cache.group * T, D))  # (G, H, group*T, Dh)
-        if x.device.type == "cpu":
+        if weights is not None:
+            w = attention_weights(q, self.cross_k, mask)  # (G, H, group*T, S)
+            G, H, _, S = w.shape
+            weights.append(w.view(G, H, self.cache.group, T, S).transpose(1, 2).reshape(N, H, T, S))
+            heads = w @ self.cross_v
+        elif x.device.type == "cpu":
             heads = decode_attention(q, self.cross_k, self.cross_v, self.cache.cross_bias(q))
         else:
             heads = F.scaled_dot_product_attention(q, self.cross_k, self.cross_v, attn_mask=mask)
@@ -311,6 +333,9 @@ class DecoderCache:
         self._buffer: Tensor | None = None
         self._spare: Tensor | None = None  # as large as _buffer, once a reorder has needed it
         self._cross_bias: Tensor | None = None
+        # None: nothing recorded. A list: each step appends its cross-attention weights (B, L, H, S),
+        # rows as they are at that step (reorder and select leave what was recorded alone).
+        self.attention: list[Tensor] | None = None
         self.output = linears.output  # the vocabulary projection
         self.layers = [LayerCache(self, i, layer) for i, layer in enumerate(linears.layers)]
 

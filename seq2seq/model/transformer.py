@@ -99,10 +99,18 @@ class Decoder(nn.Module):
         self.final_norm = final_norm
         self.output = output  # (V, D) weight, tied to the embedding unless configured otherwise
 
-    def forward(self, tgt_in: Tensor, memory: Tensor, memory_mask: Tensor, select: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        tgt_in: Tensor,
+        memory: Tensor,
+        memory_mask: Tensor,
+        select: Tensor | None = None,
+        weights: list[Tensor] | None = None,
+    ) -> Tensor:
+        """Logits; with a `weights` list, each layer's cross-attention weights (B, H, T, S) are appended to it."""
         x = self.embedding(tgt_in)  # (B, T, D)
         for layer in self.layers:
-            x = layer(x, memory, memory_mask)
+            x = layer(x, memory, memory_mask, weights)
         x = self.final_norm(x)
         if select is not None:
             x = x[select]  # (N, D): project only the positions that are scored
@@ -110,8 +118,11 @@ class Decoder(nn.Module):
 
     def step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
         x = self.embedding(cache.stored(tokens), start=cache.step)  # (P, 1, D)
+        weights: list[Tensor] | None = None if cache.attention is None else []
         for layer, layer_cache in zip(self.layers, cache.layers):
-            x = cast(DecoderLayer, layer).step(x, layer_cache, cache.cross_mask)
+            x = cast(DecoderLayer, layer).step(x, layer_cache, cache.cross_mask, weights)
+        if cache.attention is not None and weights is not None:
+            cache.attention.append(cache.searched(torch.stack(weights, dim=1)[:, :, :, 0]))  # (N, L, H, S)
         cache.step += 1
         return cache.output(cache.searched(self.final_norm(x)[:, 0]))  # (B, V)
 
@@ -185,6 +196,17 @@ class Seq2SeqTransformer(nn.Module):
         """
         memory = self.encoder(src, src_pad_mask)
         return self.decoder(tgt_in, memory, attention_mask(src_pad_mask), select)
+
+    @torch.no_grad()
+    def cross_attention(self, src: Tensor, src_pad_mask: Tensor, tgt_in: Tensor) -> Tensor:
+        """Teacher-forced cross-attention weights (B, T, L, H, S) of target inputs (B, T), BOS first.
+
+        Row t is the attention while predicting target token t, as the incremental
+        API records it step by step (`DecoderCache.attention`).
+        """
+        weights: list[Tensor] = []
+        self.decoder(tgt_in, self.encoder(src, src_pad_mask), attention_mask(src_pad_mask), None, weights)
+        return torch.stack(weights, dim=1).permute(0, 3, 1, 2, 4)  # (B, L, H, T, S) -> (B, T, L, H, S)
 
     # The incremental API used by search.
 
