@@ -1,6 +1,8 @@
 """Decoding speed: sentences/s for greedy and beam search, one setting against its baseline, or engines side by side.
 
 `--compare cache` (the default) times the key/value cache against no cache;
+`--compare compile` times the decoding step compiled with `torch.compile`
+(dynamic shapes) against the eager step, and prints each one's first call;
 `--compare attention` times PyTorch's math attention kernel, which training
 asks for on CPU (`seq2seq.model.training_kernel`), against its flash kernel,
 which `scaled_dot_product_attention` picks by itself elsewhere.
@@ -59,9 +61,36 @@ from bench_engines import BASELINE_REV, SHAPES, SYSTEMS  # noqa: E402
 
 # --compare -> the setting, then its baseline: (name, search function, attention kernel; None: PyTorch's choice)
 Setting = tuple[str, SearchFn, SDPBackend | None]
+
+
+class CompiledSteps:
+    """A model whose `decode_step` runs through `torch.compile` (dynamic shapes: the row count and the cache
+    length change from step to step), for `--compare compile`; one compiled function per model."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.max_positions = model.max_positions
+        self.encode, self.init_cache = model.encode, model.init_cache
+        self.decode_step = torch.compile(model.decode_step, dynamic=True)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+
+_compiled: dict[int, CompiledSteps] = {}
+
+
+def compiled_search(model: Any, *args: Any, **kwargs: Any) -> Any:
+    """`search` with the model's decoding step compiled (compiled once per model, on first use)."""
+    if id(model) not in _compiled:
+        _compiled[id(model)] = CompiledSteps(model)
+    return search(_compiled[id(model)], *args, **kwargs)
+
+
 COMPARISONS: dict[str, tuple[Setting, Setting]] = {
     "cache": (("cached", search, None), ("uncached", uncached_search, None)),
     "attention": (("math", search, SDPBackend.MATH), ("flash", search, SDPBackend.FLASH_ATTENTION)),
+    "compile": (("compiled", compiled_search, None), ("eager", search, None)),
 }
 
 
@@ -157,7 +186,10 @@ def main() -> None:
     lines = [line for line in read_lines(args.src) if line.strip()][: args.n]
     modes = args.modes.split(",")
     setting, baseline = COMPARISONS[args.compare]
-    for _, fn, kernel in (setting, baseline):
+    for label, fn, kernel in (setting, baseline):
+        for mode in modes:  # the first call (for "compiled": compilation) is timed apart
+            first = timed(translator, lines[:1], mode, fn, kernel, "first call")
+            print(f"first call, {mode}, {label}: {first.seconds:.2f} s", file=sys.stderr)
         timed(translator, lines[:8], "greedy", fn, kernel, "warm-up")
 
     runs: dict[str, list[Run]] = {}
