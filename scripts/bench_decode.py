@@ -65,13 +65,27 @@ Setting = tuple[str, SearchFn, SDPBackend | None]
 
 class CompiledSteps:
     """A model whose `decode_step` runs through `torch.compile` (dynamic shapes: the row count and the cache
-    length change from step to step), for `--compare compile`; one compiled function per model."""
+    length change from step to step), for `--compare compile`; one compiled function per model.
+
+    Inductor cannot lower oneDNN's prepacked linears (seq2seq.model.packed), so the
+    compiled step runs the modules' own weights and lets Inductor choose.
+    """
 
     def __init__(self, model: Any) -> None:
         self.model = model
         self.max_positions = model.max_positions
-        self.encode, self.init_cache = model.encode, model.init_cache
+        self.encode = model.encode
         self.decode_step = torch.compile(model.decode_step, dynamic=True)
+
+    def init_cache(self, memory: Any, src_pad_mask: torch.Tensor) -> Any:
+        import seq2seq.model.transformer as transformer
+
+        can_pack = transformer.can_pack
+        transformer.can_pack = lambda module: False
+        try:
+            return self.model.init_cache(memory, src_pad_mask)
+        finally:
+            transformer.can_pack = can_pack
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.model, name)
