@@ -26,6 +26,8 @@ from seq2seq.inputs import Record
 from seq2seq.serve import options as serve_options
 
 if TYPE_CHECKING:
+    from tqdm import tqdm
+
     from seq2seq.alignment import AttentionMap, LayerChoice
     from seq2seq.config import DataConfig
     from seq2seq.translate import Translation, Translator
@@ -306,12 +308,15 @@ def _translate(args: argparse.Namespace) -> int:
             log.info("translating each line typed on stdin; end with Ctrl-D")
         size = 1 if args.interactive or from_terminal else CHUNK_LINES
         sink = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+        bar = None if from_terminal or args.interactive else _progress_bar(args.input)
         try:
             done = 0
             for chunk in _chunks(records, size):
-                _translate_chunk(args, translator, chunk, done + 1, layer, sink)
+                _translate_chunk(args, translator, chunk, done + 1, layer, sink, bar)
                 done += len(chunk)
         finally:
+            if bar is not None:
+                bar.close()
             if args.output:
                 sink.close()
     finally:
@@ -320,12 +325,40 @@ def _translate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _progress_bar(path: str | Path | None, total: int | None = None) -> tqdm | None:
+    """A bar on stderr (sentences done, sentences/s, and the ETA when the number of lines is known)
+    when stderr is a terminal; None otherwise, so that pipes and logs stay clean.
+
+    path: the input file, whose lines are counted when `total` is not given (None: stdin, not counted).
+    """
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    if total is None and path is not None:
+        from seq2seq.inputs import count_lines
+
+        try:
+            total = count_lines(path)
+        except OSError:  # counted only for the ETA
+            total = None
+    return tqdm(total=total, unit="sent", desc="translating", file=sys.stderr, dynamic_ncols=True)
+
+
 def _translate_chunk(
-    args: argparse.Namespace, translator: Translator, chunk: list[Record], first: int, layer: LayerChoice, sink: IO[str]
+    args: argparse.Namespace,
+    translator: Translator,
+    chunk: list[Record],
+    first: int,
+    layer: LayerChoice,
+    sink: IO[str],
+    bar: tqdm | None = None,
 ) -> None:
     """Translate, draw and align one chunk of records (lines first..), and write its output lines."""
     prefixes = [r.prefix for r in chunk] if any(r.prefix for r in chunk) else None
-    results = translator.translate_full([r.text for r in chunk], first_line=first, prefixes=prefixes)
+    results = translator.translate_full(
+        [r.text for r in chunk], first_line=first, prefixes=prefixes, progress=None if bar is None else bar.update
+    )
     maps: list[AttentionMap | None] = [None] * len(results)
     if args.attention_dir or args.alignment:
         maps = translator.attention(results, layer, args.attention_heads)
@@ -502,7 +535,12 @@ def _evaluate(args: argparse.Namespace) -> int:
         lang = translator.data.tgt_lang
         if tok_ref is None and args.ref is None:
             tok_ref = _default_tok_ref(translator.data)
-        hyps = translator.translate(src)
+        bar = _progress_bar(None, total=len(src))
+        try:
+            hyps = translator.translate(src, progress=None if bar is None else bar.update)
+        finally:
+            if bar is not None:
+                bar.close()
     if len(hyps) != len(refs):
         raise DataError(f"{len(hyps)} hypotheses but {len(refs)} references")
     if args.save:

@@ -208,7 +208,7 @@ def sentence_uniforms(src: Tensor, src_pad_mask: Tensor, seed: int, steps: int) 
     return torch.stack(rows).to(src.device)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def sequential_search(
     model: IncrementalModel,
     src: Tensor,
@@ -239,9 +239,10 @@ def sequential_search(
         done = token == EOS
         if not done.any():
             continue
-        for row in done.nonzero().flatten().tolist():
-            hypothesis = make_hypothesis(history[row, 1:].tolist(), step_scores[row].tolist(), cfg.length_penalty)
-            results[int(alive[row])] = [hypothesis]
+        ended = done.nonzero().flatten()
+        rows = zip(alive[ended].tolist(), history[ended, 1:].tolist(), step_scores[ended].tolist())
+        for b, tokens, token_scores in rows:
+            results[b] = [make_hypothesis(tokens, token_scores, cfg.length_penalty)]
         if done.all():
             return results
         keep = (~done).nonzero().flatten()
@@ -264,24 +265,28 @@ class BeamStep:
     next_scores: Tensor  # (B, K) summed log-probabilities of the kept live hypotheses; -inf for empty slots
     next_tokens: Tensor  # (B, K) their last token; PAD in empty slots
     next_rows: Tensor  # (B, K) the row (in N) each one extends
-    eos_rows: Tensor  # (M,) rows whose EOS extension ranks among the top K, sentence by sentence, best first ...
-    eos_scores: Tensor  # (M,) ... and its summed log-probability
+    finishing: Tensor  # (B, 2K) which of each sentence's best candidates, best first, are EOS ranked among the top K
+    eos_rows: Tensor  # (M,) the rows those EOS extensions extend, sentence by sentence, best first ...
+    eos_scores: Tensor  # (M,) ... and their summed log-probabilities
 
 
-def beam_step(scores: Tensor, logprobs: Tensor) -> BeamStep:
+def beam_step(scores: Tensor, logprobs: Tensor, beam_size: int = 0) -> BeamStep:
     """The selection rule: the K best live extensions, and the EOS ones among the top K.
 
-    scores: (B, K) summed log-probabilities (-inf for empty slots);
-    logprobs: (B * K, V) next-token log-probabilities (-inf where forbidden).
-    Among the 2K best candidates at most K are EOS (one per row), so K live ones
-    remain whenever K finite non-EOS candidates exist; otherwise slots stay empty.
+    scores: (B, R) summed log-probabilities of each sentence's R rows (-inf for
+    empty slots); logprobs: (B * R, V) next-token log-probabilities (-inf where
+    forbidden); beam_size K (0: R). R is K, or 1 at the first step, when every
+    hypothesis is BOS alone. Among the 2K best candidates at most K are EOS
+    ranked in the top K, so K live ones remain whenever K finite non-EOS
+    candidates exist; otherwise slots stay empty.
     """
-    B, K = scores.shape
+    B, R = scores.shape
+    K = beam_size or R
     V = logprobs.shape[-1]
-    candidates = (scores[:, :, None] + logprobs.view(B, K, V)).view(B, K * V)
-    top_scores, top_index = candidates.topk(min(2 * K, K * V), dim=1)  # (B, 2K), best first
+    candidates = (scores[:, :, None] + logprobs.view(B, R, V)).view(B, R * V)
+    top_scores, top_index = candidates.topk(min(2 * K, R * V), dim=1)  # (B, 2K), best first
     top_tokens = top_index % V
-    top_rows = top_index // V + torch.arange(B, device=scores.device)[:, None] * K
+    top_rows = top_index // V + torch.arange(B, device=scores.device)[:, None] * R
     finite = torch.isfinite(top_scores)
     is_eos = top_tokens == EOS
     rank = torch.arange(top_scores.shape[1], device=scores.device)
@@ -289,16 +294,59 @@ def beam_step(scores: Tensor, logprobs: Tensor) -> BeamStep:
     live = ~is_eos & finite
     order = (~live).to(torch.uint8).argsort(dim=1, stable=True)[:, :K]  # live candidates first, best first
     kept = live.gather(1, order)
-    return BeamStep(
-        next_scores=top_scores.gather(1, order).masked_fill(~kept, NEG_INF),
-        next_tokens=top_tokens.gather(1, order).masked_fill(~kept, PAD),
-        next_rows=top_rows.gather(1, order),
-        eos_rows=top_rows[finishing],
-        eos_scores=top_scores[finishing],
-    )
+    next_scores = top_scores.gather(1, order).masked_fill(~kept, NEG_INF)
+    next_tokens = top_tokens.gather(1, order).masked_fill(~kept, PAD)
+    next_rows = top_rows.gather(1, order)
+    if order.shape[1] < K:  # fewer than K candidates in all (a tiny vocabulary at the first step): empty slots
+        missing = K - order.shape[1]
+        next_scores = torch.cat([next_scores, next_scores.new_full((B, missing), NEG_INF)], dim=1)
+        next_tokens = torch.cat([next_tokens, next_tokens.new_full((B, missing), PAD)], dim=1)
+        next_rows = torch.cat([next_rows, next_rows[:, :1].expand(B, missing)], dim=1)
+    return BeamStep(next_scores, next_tokens, next_rows, finishing, top_rows[finishing], top_scores[finishing])
 
 
-@torch.no_grad()
+class Finished:
+    """Finished hypotheses, kept as tensors step by step and turned into `Hypothesis` objects once, at the end.
+
+    At most K per sentence, in the order they finish (best first within a step).
+    """
+
+    def __init__(self, n_sentences: int, beam_size: int, device: torch.device) -> None:
+        self.K = beam_size
+        self.count = torch.zeros(n_sentences, dtype=torch.long, device=device)  # per searching sentence
+        self.found: list[tuple[Tensor, Tensor, Tensor]] = []  # (sentence (M,), tokens (M, n), scores (M, n))
+
+    def collect(self, out: BeamStep, sentence: Tensor, history: Tensor, step_scores: Tensor, logprobs: Tensor) -> None:
+        """Keep this step's EOS extensions while their sentence has fewer than K.
+
+        sentence: (B,) batch index of each searching sentence; history (N, step + 1)
+        and step_scores (N, step): each row's tokens (BOS first) and their log-probabilities.
+        """
+        taken = out.finishing & (self.count[:, None] + out.finishing.cumsum(dim=1) <= self.K)  # (B, 2K)
+        self.count += taken.sum(dim=1)
+        rows = out.eos_rows[taken[out.finishing]]  # (M,)
+        if rows.numel() == 0:
+            return
+        eos = torch.full((rows.shape[0], 1), EOS, dtype=history.dtype, device=history.device)
+        tokens = torch.cat([history[rows, 1:], eos], dim=1)
+        scores = torch.cat([step_scores[rows], logprobs[rows, EOS][:, None]], dim=1)
+        self.found.append((sentence[torch.div(rows, self.K, rounding_mode="floor")], tokens, scores))
+
+    def drop(self, keep: Tensor) -> None:
+        """Follow the searching sentences when some stop: keep (B',) their indices."""
+        self.count = self.count[keep]
+
+    def hypotheses(self, n_sentences: int, alpha: float) -> list[list[Hypothesis]]:
+        """Each sentence's finished hypotheses, in the order they finished. Scores are recomputed from the
+        token log-probabilities (in float64, as for greedy search), so beam size 1 and greedy agree exactly."""
+        results: list[list[Hypothesis]] = [[] for _ in range(n_sentences)]
+        for sentence, tokens, scores in self.found:
+            for b, t, sc in zip(sentence.tolist(), tokens.tolist(), scores.tolist()):
+                results[b].append(make_hypothesis(t, sc, alpha))
+        return results
+
+
+@torch.inference_mode()
 def beam_search(
     model: IncrementalModel,
     src: Tensor,
@@ -310,64 +358,46 @@ def beam_search(
     """Batched beam search; up to `cfg.nbest` distinct hypotheses per sentence, best first.
 
     Rows of a sentence are contiguous (sentence b owns rows b*K .. b*K+K-1). The
-    cache is expanded to K rows per sentence once, reordered within sentences at
-    each step, and shrunk only when a sentence stops.
+    first step runs one row per sentence (all K hypotheses are BOS then); its K
+    best extensions expand the cache to K rows per sentence, which are then
+    reordered within sentences at each step and shrunk only when a sentence stops.
     """
     B, K, device = src.shape[0], cfg.beam_size, src.device
     cache = model.init_cache(model.encode(src, src_pad_mask), src_pad_mask)
-    cache.select(torch.arange(B, device=device).repeat_interleave(K))  # cross K/V expanded once
-    max_len = max_lengths(src_pad_mask, cfg, limit, prefix).repeat_interleave(K)  # (N,)
+    max_len = max_lengths(src_pad_mask, cfg, limit, prefix)  # (N,)
     sentence = torch.arange(B, device=device)  # batch index of each searching sentence
-    scores = torch.full((B, K), NEG_INF, device=device)
-    scores[:, 0] = 0.0  # all K rows start as BOS: expand only the first
-    history = torch.full((B * K, 1), BOS, dtype=torch.long, device=device)  # (N, step + 1)
-    step_scores = torch.zeros(B * K, 0, device=device)  # (N, step)
-    finished: list[list[Hypothesis]] = [[] for _ in range(B)]
+    scores = torch.zeros(B, 1, device=device)  # (B, rows per sentence)
+    history = torch.full((B, 1), BOS, dtype=torch.long, device=device)  # (N, step + 1)
+    step_scores = torch.zeros(B, 0, device=device)  # (N, step)
+    finished = Finished(B, K, device)
     for step in itertools.count():  # ends: EOS is forced once step reaches max_len
         logits = model.decode_step(history[:, -1:], cache)  # (N, V)
-        forced = forced_tokens(prefix, step, sentence.repeat_interleave(K)) if prefix is not None else None
+        forced = forced_tokens(prefix, step, sentence.repeat_interleave(scores.shape[1]))
         logprobs = next_logprobs(logits, step, max_len, history, cfg, forced)
-        out = beam_step(scores, logprobs)
-        collect_finished(finished, out, sentence, history, step_scores, logprobs, K, cfg.length_penalty)
-        rows, tokens = out.next_rows.flatten(), out.next_tokens.flatten()  # (N,)
+        out = beam_step(scores, logprobs, K)
+        finished.collect(out, sentence, history, step_scores, logprobs)
+        rows, tokens = out.next_rows.flatten(), out.next_tokens.flatten()  # (B * K,)
         history = torch.cat([history[rows], tokens[:, None]], dim=1)
         step_scores = torch.cat([step_scores[rows], logprobs[rows, tokens][:, None]], dim=1)
-        scores = out.next_scores
-        n_finished = torch.tensor([len(finished[b]) for b in sentence.tolist()], device=device)
-        searching = (n_finished < K) & torch.isfinite(scores).any(dim=1)  # (B,)
+        expanding = scores.shape[1] != K
+        scores, max_len = out.next_scores, max_len[rows]
+        searching = (finished.count < K) & torch.isfinite(scores).any(dim=1)  # (B,)
         if not searching.any():
             break
         if searching.all():
-            cache.reorder(rows)
+            if expanding:
+                cache.select(rows)  # each sentence's row becomes its K hypotheses
+            else:
+                cache.reorder(rows)
             continue
         keep = searching.nonzero().flatten()
         keep_rows = (keep[:, None] * K + torch.arange(K, device=device)).flatten()
         cache.select(rows[keep_rows])  # rows of a kept sentence share its cross K/V, so this is exact
         sentence, scores, max_len = sentence[keep], scores[keep], max_len[keep_rows]
         history, step_scores = history[keep_rows], step_scores[keep_rows]
-    return [sorted(hyps, key=lambda h: -h.score)[: cfg.nbest] for hyps in finished]
-
-
-def collect_finished(
-    finished: list[list[Hypothesis]],
-    out: BeamStep,
-    sentence: Tensor,
-    history: Tensor,
-    step_scores: Tensor,
-    logprobs: Tensor,
-    K: int,
-    alpha: float,
-) -> None:
-    """Turn this step's EOS extensions into finished hypotheses, best first, at most K per sentence.
-
-    Scores are recomputed from the token log-probabilities (in float64, as for
-    greedy search), so beam size 1 and greedy agree exactly.
-    """
-    for row in out.eos_rows.tolist():
-        hyps = finished[int(sentence[row // K])]
-        if len(hyps) < K:
-            token_scores = step_scores[row].tolist() + [float(logprobs[row, EOS])]
-            hyps.append(make_hypothesis(history[row, 1:].tolist() + [EOS], token_scores, alpha))
+        finished.drop(keep)
+    hypotheses = finished.hypotheses(B, cfg.length_penalty)
+    return [sorted(hyps, key=lambda h: -h.score)[: cfg.nbest] for hyps in hypotheses]
 
 
 def search(

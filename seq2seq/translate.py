@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -33,6 +33,9 @@ from seq2seq.tokenizer import Tokenizer
 from seq2seq.vocab import EOS, PAD
 
 log = logging.getLogger(__name__)
+
+Progress = Callable[[int], None]
+"""Called with the number of lines just translated (e.g. a progress bar's `update`)."""
 
 
 class SearchFn(Protocol):
@@ -101,18 +104,23 @@ class Translator:
         translator.decode = replace_checked(self.decode, changes, "decode settings", "decode.")
         return translator
 
-    def translate(self, lines: Sequence[str]) -> list[str]:
+    def translate(self, lines: Sequence[str], progress: Progress | None = None) -> list[str]:
         """Best translation of each line."""
-        return [t.text for t in self.translate_full(lines)]
+        return [t.text for t in self.translate_full(lines, progress=progress)]
 
     def translate_full(
-        self, lines: Sequence[str], first_line: int = 1, prefixes: Sequence[str] | None = None
+        self,
+        lines: Sequence[str],
+        first_line: int = 1,
+        prefixes: Sequence[str] | None = None,
+        progress: Progress | None = None,
     ) -> list[Translation]:
         """Translations with n-best hypotheses, scores and token log-probabilities, in input order.
 
         `first_line` numbers the lines in warnings (for input read in chunks).
         `prefixes`, one per line ("" for none), are forced at the start of each
         translation and scored like the rest (seq2seq.search).
+        `progress` is told how many more lines are done after each batch.
         """
         if prefixes is not None and len(prefixes) != len(lines):
             raise DataError(f"{len(prefixes)} prefixes for {len(lines)} lines; give one per line")
@@ -120,6 +128,8 @@ class Translator:
         forced = self._encode_prefixes(prefixes, first_line) if prefixes is not None else None
         results: list[list[Hypothesis]] = [[] for _ in lines]
         todo = [i for i, seq in enumerate(ids) if len(seq) > 1]  # empty lines translate to ""
+        if progress is not None and len(todo) < len(lines):
+            progress(len(lines) - len(todo))
         with self._eval_mode():
             for batch in make_batches([len(ids[i]) for i in todo], self.decode.max_tokens):
                 indices = [todo[j] for j in batch]
@@ -130,6 +140,8 @@ class Translator:
                 hyps = self.search_fn(self.model, src, src == PAD, self.decode, self.model.max_positions - 1, prefix)
                 for i, h in zip(indices, hyps):
                     results[i] = h
+                if progress is not None:
+                    progress(len(indices))
         return [
             Translation(
                 line,

@@ -110,6 +110,29 @@ def test_recording_is_off_unless_asked_and_changes_no_logits(name: str) -> None:
     assert len(recording.attention) == inputs.shape[1]
 
 
+@pytest.mark.parametrize("name", MODELS)
+@torch.no_grad()
+def test_weights_follow_repeated_and_dropped_rows(name: str) -> None:
+    """Rows repeated per sentence (a beam) and rows dropped later (finished sentences) are recorded
+    as the rows search sees, each equal to its sentence's teacher-forced weights."""
+    model = tiny_model(**MODELS[name])
+    src, mask = sources()
+    tgt = targets()
+    full = model.cross_attention(src, mask, torch.cat([torch.full_like(tgt[:, :1], BOS), tgt[:, :-1]], dim=1))
+    cache = model.init_cache(model.encode(src, mask), mask)
+    cache.attention = []
+    row_sentence = torch.arange(3).repeat_interleave(2)  # (6,): two rows per sentence
+    cache.select(row_sentence)
+    drops = {2: [0, 1, 2, 3, 5], 3: [0, 2, 3]}  # one row stops (kept as a map), then two more (copied away)
+    for t in range(5):
+        if t in drops:
+            keep = torch.tensor(drops[t])
+            cache.select(keep)
+            row_sentence = row_sentence[keep]
+        model.decode_step(tgt[row_sentence, t - 1 : t] if t else torch.full((len(row_sentence), 1), BOS), cache)
+        torch.testing.assert_close(cache.attention[t], full[row_sentence, t], **CLOSE)
+
+
 def test_a_model_without_attention_is_refused() -> None:
     model = tiny_model(arch="rnn", rnn=RNNConfig(attention="none", hidden_size=12, layers=1))
     with pytest.raises(AttentionError, match=r"no attention \(model.rnn.attention: none\)"):
