@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
     from seq2seq.alignment import AttentionMap, LayerChoice
     from seq2seq.config import DataConfig
-    from seq2seq.translate import Translation, Translator
+    from seq2seq.translate import TextTranslator, Translation
 
 T = TypeVar("T")
 
@@ -177,7 +177,15 @@ def _add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
         "-c",
         required=required,
         action="append",
-        help="checkpoint file (e.g. RUN/checkpoint_best.pt); several -c decode them as an ensemble",
+        help="checkpoint file (e.g. RUN/checkpoint_best.pt) or a directory from seq2seq export; "
+        "several -c decode checkpoints as an ensemble",
+    )
+    p.add_argument(
+        "--engine",
+        default="auto",
+        choices=["auto", "torch", "ctranslate2"],
+        help="auto (default): CTranslate2 for an exported directory, PyTorch for a checkpoint; "
+        "ctranslate2 with a checkpoint exports it (float32) for this run",
     )
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument(
@@ -253,8 +261,9 @@ def _prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _translator(args: argparse.Namespace) -> Translator:
-    """The checkpoint's model with its stored decode settings, changed by the command line's decode.* overrides."""
+def _translator(args: argparse.Namespace, token_scores: bool = True) -> TextTranslator:
+    """The model (checkpoint, ensemble or exported directory) with its stored decode settings, changed by the
+    command line's decode.* overrides. token_scores: whether each token's log-probability is needed (JSONL)."""
     from seq2seq.checkpoint import load_checkpoint
     from seq2seq.device import resolve_device
     from seq2seq.ensemble import Ensemble, load_ensemble
@@ -270,6 +279,8 @@ def _translator(args: argparse.Namespace) -> Translator:
         import torch
 
         torch.set_num_threads(args.threads)
+    if _engine(args) == "ctranslate2":
+        return _exported_translator(args, token_scores)
     device = resolve_device(args.device, option="--device")
     model: Seq2SeqModel | Ensemble
     if len(args.checkpoint) > 1:
@@ -279,6 +290,40 @@ def _translator(args: argparse.Namespace) -> Translator:
         model = loaded.model
     config = apply_overrides(loaded.config, args.overrides)  # checked like a config file, with the model's limits
     return Translator(model, loaded.tokenizer, config.decode, device, config.data)
+
+
+def _engine(args: argparse.Namespace) -> str:
+    """torch or ctranslate2, from --engine and what the -c paths are; mixtures refused."""
+    from seq2seq.exported import is_exported
+
+    exported = [c for c in args.checkpoint if is_exported(c)]
+    if exported and args.engine == "torch":
+        raise ConfigError(f"{exported[0]} is a CTranslate2 model directory: it runs with --engine ctranslate2 or auto")
+    if not exported and args.engine != "ctranslate2":
+        return "torch"
+    if len(args.checkpoint) > 1:
+        raise ConfigError("CTranslate2 runs one model; an ensemble needs checkpoint files and --engine torch")
+    return "ctranslate2"
+
+
+def _exported_translator(args: argparse.Namespace, token_scores: bool) -> TextTranslator:
+    """An exported directory in CTranslate2, or a checkpoint exported (float32) to a temporary one for this run."""
+    import tempfile
+
+    import torch
+
+    from seq2seq.exported import CTranslate2Translator, import_ctranslate2, is_exported
+
+    import_ctranslate2()  # its install hint before anything else
+    path, threads = args.checkpoint[0], args.threads or torch.get_num_threads()
+    if is_exported(path):
+        return CTranslate2Translator.from_directory(path, args.device, threads, token_scores, args.overrides)
+    from seq2seq.export import export_ctranslate2
+
+    log.info("exporting %s to CTranslate2 (float32) for this run", path)
+    with tempfile.TemporaryDirectory(prefix="seq2seq-ct2-") as tmp:  # the engine holds the model in memory
+        exported = export_ctranslate2(path, Path(tmp) / "model")
+        return CTranslate2Translator.from_directory(exported, args.device, threads, token_scores, args.overrides)
 
 
 CHUNK_LINES = 2000  # lines read before translating: enough to sort into full batches
@@ -296,10 +341,15 @@ def _translate(args: argparse.Namespace) -> int:
     try:
         _refuse_output_that_is_read(args, source)
         records = _records(args, source)
-        translator = _translator(args)
-        if args.attention_dir or args.alignment:
+        inspect = args.attention_dir or args.alignment
+        if inspect and _engine(args) == "ctranslate2":
+            raise ConfigError("--attention-dir and --alignment need the PyTorch engine (a checkpoint file)")
+        translator = _translator(args, token_scores=args.format == "jsonl")
+        if inspect:
             from seq2seq.alignment import require_attention
+            from seq2seq.translate import Translator
 
+            assert isinstance(translator, Translator)
             require_attention(translator.model, layer)
         if hasattr(sys.stdout, "reconfigure"):  # text is UTF-8 whatever the locale says
             sys.stdout.reconfigure(encoding="utf-8")
@@ -347,7 +397,7 @@ def _progress_bar(path: str | Path | None, total: int | None = None) -> tqdm | N
 
 def _translate_chunk(
     args: argparse.Namespace,
-    translator: Translator,
+    translator: TextTranslator,
     chunk: list[Record],
     first: int,
     layer: LayerChoice,
@@ -361,6 +411,9 @@ def _translate_chunk(
     )
     maps: list[AttentionMap | None] = [None] * len(results)
     if args.attention_dir or args.alignment:
+        from seq2seq.translate import Translator
+
+        assert isinstance(translator, Translator)  # _translate refused the other engines
         maps = translator.attention(results, layer, args.attention_heads)
     if args.attention_dir:
         from seq2seq.pictures import draw, picture_path
@@ -529,7 +582,7 @@ def _evaluate(args: argparse.Namespace) -> int:
         hyps, refs = read_lines(args.hypotheses), read_lines(args.ref)
         lang = tok_ref.suffix.lstrip(".") if tok_ref else ""  # e.g. test_2016_flickr.lc.norm.tok.en
     else:
-        translator = _translator(args)
+        translator = _translator(args, token_scores=False)
         assert translator.data is not None  # loaded from a checkpoint
         src, refs = _test_set(translator.data, args.src, args.ref)
         lang = translator.data.tgt_lang
@@ -606,7 +659,7 @@ def _serve(args: argparse.Namespace) -> int:
     """The model loads once the port is bound, so that a busy port fails before a long load."""
     options = serve_options.ServeOptions.from_args(args)
     serve_options.require_extra()
-    from seq2seq.serve.engine import TorchEngine
+    from seq2seq.serve.engine import TranslatorEngine
     from seq2seq.serve.server import serve
 
-    return serve(lambda: TorchEngine(_translator(args)), options)
+    return serve(lambda: TranslatorEngine(_translator(args)), options)

@@ -3,8 +3,11 @@
 The model is rebuilt with CTranslate2's own converter specs (`TransformerSpec`),
 layer by layer from this project's modules, so CTranslate2 validates every
 shape and applies the quantization itself (int8, int16, float16, bfloat16...).
-The output directory holds the CTranslate2 model, its vocabularies and the
-SentencePiece model(s) that turn text into the pieces it expects:
+The output directory holds the CTranslate2 model, its vocabularies, the
+SentencePiece model(s) that turn text into the pieces it expects, and the
+experiment config (`seq2seq.yaml`: languages, test set, decode defaults), so
+that `seq2seq translate -c DIR` and `seq2seq evaluate -c DIR` run it
+(seq2seq.exported). Outside this project:
 
     import ctranslate2, sentencepiece as spm
     sp = spm.SentencePieceProcessor(model_file="DIR/spm.model")
@@ -26,7 +29,9 @@ import numpy as np
 from torch import Tensor, nn
 
 from seq2seq.checkpoint import Checkpoint, read
+from seq2seq.config import save_config
 from seq2seq.errors import UserError
+from seq2seq.exported import CONFIG, import_ctranslate2
 from seq2seq.model import Seq2SeqTransformer
 from seq2seq.model.attention import MultiHeadAttention
 from seq2seq.model.layers import DecoderLayer, EncoderLayer, FeedForward
@@ -42,7 +47,7 @@ class ExportError(UserError):
 
 def export_ctranslate2(checkpoint: str | Path, output: str | Path, quantization: str = "float32") -> Path:
     """Write the checkpoint's model as a CTranslate2 model directory; returns it."""
-    ctranslate2 = _import_ctranslate2()
+    ctranslate2 = import_ctranslate2()
     if quantization not in QUANTIZATIONS:
         raise ExportError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
     output = Path(output)
@@ -58,15 +63,8 @@ def export_ctranslate2(checkpoint: str | Path, output: str | Path, quantization:
     except (ValueError, RuntimeError) as e:  # CTranslate2's own checks of shapes and types
         raise ExportError(f"CTranslate2 refused the model: {str(e).splitlines()[0]}") from None
     stored.tokenizer.save(output)  # spm.model, or spm.src.model and spm.tgt.model
+    save_config(stored.config, output / CONFIG)  # languages, test set and decode defaults for translate/evaluate
     return output
-
-
-def _import_ctranslate2() -> Any:
-    try:
-        import ctranslate2
-    except ImportError:
-        raise UserError('export needs CTranslate2: pip install -e ".[export]" (or pip install ctranslate2)') from None
-    return ctranslate2
 
 
 def _check_exportable(stored: Checkpoint) -> None:
@@ -113,7 +111,13 @@ def _spec(specs: Any, stored: Checkpoint, model: Seq2SeqTransformer) -> Any:
     spec.register_source_vocabulary(_pieces(stored.tokenizer, source=True))
     spec.register_target_vocabulary(_pieces(stored.tokenizer, source=False))
     spec.config.add_source_eos = True  # sources end with EOS, as in training
+    spec.config.layer_norm_epsilon = _norm_epsilon(model)  # CTranslate2's default (1e-6) is not torch's
     return spec
+
+
+def _norm_epsilon(model: Seq2SeqTransformer) -> float:
+    (eps,) = {m.eps for m in model.modules() if isinstance(m, nn.LayerNorm)}  # one value in every layer
+    return float(eps)
 
 
 def _pieces(tokenizer: Tokenizer, source: bool) -> list[str]:

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import Tensor
@@ -61,44 +61,35 @@ class Translation:
         return self.texts[0] if self.texts else ""
 
 
-class Translator:
-    """A model, its tokenizer and decoding settings, ready to translate strings.
+T = TypeVar("T", bound="TextTranslator")
 
-    >>> translator = Translator.from_checkpoint("runs/quickstart/checkpoint_best.pt")
-    >>> translator.translate(["Ein Hund läuft im Schnee."])
-    ['A dog is running in the snow.']
 
-    `decode` is the one place that holds the search settings. `data`, when the
+class TextTranslator:
+    """Text in, text out around a search engine: tokenization, truncation, prefixes, empty lines,
+    batching by decode.max_tokens, detokenization and input order.
+
+    Subclasses search batches of subword ids: `Translator` with this project's
+    models, `seq2seq.exported.CTranslate2Translator` with an exported model.
+    `decode` is the one place that holds the search settings; `data`, when the
     model comes from a checkpoint, is its experiment's data section (languages
     and splits): `seq2seq evaluate` finds its default test set there.
     """
 
-    def __init__(
-        self,
-        model: Seq2SeqModel | Ensemble,
-        tokenizer: Tokenizer,
-        decode: DecodeConfig,
-        device: str | torch.device = "cpu",
-        data: DataConfig | None = None,
-        search_fn: SearchFn = search,
-    ) -> None:
-        self.model = model
+    def __init__(self, tokenizer: Tokenizer, decode: DecodeConfig, data: DataConfig | None = None) -> None:
         self.tokenizer = tokenizer
         self.decode = decode
-        self.device = torch.device(device)
         self.data = data
-        self.search_fn = search_fn  # scripts/bench_decode.py swaps in seq2seq.uncached.uncached_search
 
-    @classmethod
-    def from_checkpoint(cls, path: str | Path, device: str | torch.device = "cpu", **decode: Any) -> Translator:
-        """Load a checkpoint; keyword arguments override its stored decode settings."""
-        loaded = load_checkpoint(path, device)
-        raw = to_dict(loaded.config)
-        raw["decode"].update(decode)
-        config = from_dict(raw, source="Translator.from_checkpoint")  # the same checks as a config file
-        return cls(loaded.model, loaded.tokenizer, config.decode, device, config.data)
+    @property
+    def max_positions(self) -> int:
+        """Positions the model has: source subwords (EOS included), and target tokens (BOS included)."""
+        raise NotImplementedError
 
-    def with_decode(self, **changes: Any) -> Translator:
+    def engine_info(self) -> dict[str, Any]:
+        """What runs the search (engine, device, parameters), for `seq2seq serve`'s GET /info."""
+        raise NotImplementedError
+
+    def with_decode(self: T, **changes: Any) -> T:
         """The same model and tokenizer with some decode settings changed (and checked again)."""
         translator = copy.copy(self)
         translator.decode = replace_checked(self.decode, changes, "decode settings", "decode.")
@@ -130,15 +121,13 @@ class Translator:
         todo = [i for i, seq in enumerate(ids) if len(seq) > 1]  # empty lines translate to ""
         if progress is not None and len(todo) < len(lines):
             progress(len(lines) - len(todo))
-        with self._eval_mode():
+        with self._running():
             for batch in make_batches([len(ids[i]) for i in todo], self.decode.max_tokens):
                 indices = [todo[j] for j in batch]
-                src = pad([ids[i] for i in indices]).to(self.device)
-                prefix = None
+                batch_prefixes = None
                 if forced is not None and any(forced[i] for i in indices):
-                    prefix = pad([forced[i] or [PAD] for i in indices]).to(self.device)  # PAD: nothing forced
-                hyps = self.search_fn(self.model, src, src == PAD, self.decode, self.model.max_positions - 1, prefix)
-                for i, h in zip(indices, hyps):
+                    batch_prefixes = [forced[i] for i in indices]
+                for i, h in zip(indices, self._search([ids[i] for i in indices], batch_prefixes)):
                     results[i] = h
                 if progress is not None:
                     progress(len(indices))
@@ -153,6 +142,83 @@ class Translator:
             )
             for i, (line, hyps, seq) in enumerate(zip(lines, results, ids))
         ]
+
+    def _search(self, sources: list[list[int]], prefixes: list[list[int]] | None) -> list[list[Hypothesis]]:
+        """Hypotheses of each source (subword ids, EOS included), best first; `prefixes`: target ids
+        forced at the start of each ([]: none)."""
+        raise NotImplementedError
+
+    def _running(self) -> contextlib.AbstractContextManager[None]:
+        """Held while a call translates."""
+        return contextlib.nullcontext()
+
+    def _encode_prefixes(self, prefixes: Sequence[str], first_line: int) -> list[list[int]]:
+        """Target subword ids of each prefix (no EOS); one that leaves no room for EOS is refused."""
+        limit = self.max_positions - 1
+        encoded = self.tokenizer.encode_tgt([prefix.strip() for prefix in prefixes])
+        for number, seq in enumerate(encoded, start=first_line):
+            if len(seq) > limit:
+                raise DataError(f"the prefix of line {number} has {len(seq)} subwords; the model allows {limit}")
+        return encoded
+
+    def _encode(self, lines: Sequence[str], first_line: int = 1) -> list[list[int]]:
+        """Subword ids + EOS, truncated to fit decode.max_input_len and the model's positions."""
+        limit = min(self.decode.max_input_len or self.max_positions, self.max_positions)
+        encoded = []
+        for number, seq in enumerate(self.tokenizer.encode_src([line.strip() for line in lines]), start=first_line):
+            if len(seq) + 1 > limit:
+                log.warning("input line %d has %d subwords; truncated to the first %d", number, len(seq), limit - 1)
+                seq = seq[: limit - 1]
+            encoded.append(seq + [EOS])
+        return encoded
+
+
+class Translator(TextTranslator):
+    """This project's model (or an ensemble), its tokenizer and decoding settings, ready to translate strings.
+
+    >>> translator = Translator.from_checkpoint("runs/quickstart/checkpoint_best.pt")
+    >>> translator.translate(["Ein Hund läuft im Schnee."])
+    ['A dog is running in the snow.']
+    """
+
+    def __init__(
+        self,
+        model: Seq2SeqModel | Ensemble,
+        tokenizer: Tokenizer,
+        decode: DecodeConfig,
+        device: str | torch.device = "cpu",
+        data: DataConfig | None = None,
+        search_fn: SearchFn = search,
+    ) -> None:
+        super().__init__(tokenizer, decode, data)
+        self.model = model
+        self.device = torch.device(device)
+        self.search_fn = search_fn  # scripts/bench_decode.py swaps in seq2seq.uncached.uncached_search
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, device: str | torch.device = "cpu", **decode: Any) -> Translator:
+        """Load a checkpoint; keyword arguments override its stored decode settings."""
+        loaded = load_checkpoint(path, device)
+        raw = to_dict(loaded.config)
+        raw["decode"].update(decode)
+        config = from_dict(raw, source="Translator.from_checkpoint")  # the same checks as a config file
+        return cls(loaded.model, loaded.tokenizer, config.decode, device, config.data)
+
+    @property
+    def max_positions(self) -> int:
+        return self.model.max_positions
+
+    def engine_info(self) -> dict[str, Any]:
+        parameters = sum(p.numel() for p in self.model.parameters())
+        return {"engine": "pytorch", "device": str(self.device), "parameters": parameters}
+
+    def _search(self, sources: list[list[int]], prefixes: list[list[int]] | None) -> list[list[Hypothesis]]:
+        src = pad(sources).to(self.device)
+        prefix = None if prefixes is None else pad([p or [PAD] for p in prefixes]).to(self.device)  # PAD: none
+        return self.search_fn(self.model, src, src == PAD, self.decode, self.model.max_positions - 1, prefix)
+
+    def _running(self) -> contextlib.AbstractContextManager[None]:
+        return self._eval_mode()
 
     def attention(
         self, translations: Sequence[Translation], layer: LayerChoice = "last", heads: str = "mean"
@@ -192,23 +258,3 @@ class Translator:
             yield
         finally:
             self.model.train(was_training)
-
-    def _encode_prefixes(self, prefixes: Sequence[str], first_line: int) -> list[list[int]]:
-        """Target subword ids of each prefix (no EOS); one that leaves no room for EOS is refused."""
-        limit = self.model.max_positions - 1
-        encoded = self.tokenizer.encode_tgt([prefix.strip() for prefix in prefixes])
-        for number, seq in enumerate(encoded, start=first_line):
-            if len(seq) > limit:
-                raise DataError(f"the prefix of line {number} has {len(seq)} subwords; the model allows {limit}")
-        return encoded
-
-    def _encode(self, lines: Sequence[str], first_line: int = 1) -> list[list[int]]:
-        """Subword ids + EOS, truncated to fit decode.max_input_len and the model's positions."""
-        limit = min(self.decode.max_input_len or self.model.max_positions, self.model.max_positions)
-        encoded = []
-        for number, seq in enumerate(self.tokenizer.encode_src([line.strip() for line in lines]), start=first_line):
-            if len(seq) + 1 > limit:
-                log.warning("input line %d has %d subwords; truncated to the first %d", number, len(seq), limit - 1)
-                seq = seq[: limit - 1]
-            encoded.append(seq + [EOS])
-        return encoded

@@ -1,16 +1,18 @@
-"""What the server needs from a translation engine, and the PyTorch `Translator` as one.
+"""What the server needs from a translation engine, and this project's translators as one.
 
-Another engine (e.g. an exported CTranslate2 model) plugs in by implementing
+`TranslatorEngine` serves the PyTorch `Translator` (a checkpoint or an ensemble)
+and an exported CTranslate2 model alike; another engine plugs in by implementing
 `Engine`: the batcher and the routes know nothing else about the model.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from seq2seq.config import DecodeConfig, to_dict
-from seq2seq.translate import Translation, Translator
+from seq2seq.translate import TextTranslator, Translation
 
 
 class Engine(Protocol):
@@ -42,10 +44,10 @@ class Engine(Protocol):
         ...
 
 
-class TorchEngine:
-    """The PyTorch `Translator`, the same path as `seq2seq translate` (so the answers are the same)."""
+class TranslatorEngine:
+    """A translator, the same path as `seq2seq translate` (so the answers are the same)."""
 
-    def __init__(self, translator: Translator) -> None:
+    def __init__(self, translator: TextTranslator) -> None:
         self._translator = translator
 
     @property
@@ -61,19 +63,17 @@ class TorchEngine:
     def translate(
         self, lines: Sequence[str], settings: DecodeConfig, prefixes: Sequence[str] | None = None
     ) -> list[Translation]:
-        t = self._translator
-        translator = Translator(t.model, t.tokenizer, settings, t.device, t.data, t.search_fn)
+        translator = copy.copy(self._translator)  # settings were checked by `settings`
+        translator.decode = settings
         return translator.translate_full(lines, prefixes=prefixes)
 
     def describe(self) -> dict[str, Any]:
         t = self._translator
         data = t.data
         return {
-            "engine": "pytorch",
-            "device": str(t.device),
+            **t.engine_info(),
             "source_language": data.src_lang if data else None,
             "target_language": data.tgt_lang if data else None,
-            "parameters": sum(p.numel() for p in t.model.parameters()),
-            "max_positions": t.model.max_positions,
+            "max_positions": t.max_positions,
             "decode": to_dict(t.decode),
         }

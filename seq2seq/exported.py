@@ -1,0 +1,210 @@
+"""Translate with a CTranslate2 model directory written by `seq2seq export`.
+
+The text pipeline is the PyTorch path's (seq2seq.translate.TextTranslator):
+the same tokenization, truncation, batching, prefixes, empty lines, n-best,
+scores and JSONL output; only the search runs in CTranslate2. The decode
+settings map onto its options:
+
+    strategy, beam_size, nbest      beam_size and num_hypotheses; beam search returns its whole beam,
+                                    re-ranked with GNMT's length penalty, then cut to nbest
+    max_len_a, max_len_b, max_len   max_decoding_length, per group of sentences with the same limit
+    min_len                         min_decoding_length
+    no_repeat_ngram                 no_repeat_ngram_size
+    suppress_unk (and PAD, BOS)     suppress_sequences
+    temperature, top_k, top_p       sampling_temperature, sampling_topk (0: the whole vocabulary), sampling_topp
+    seed                            ctranslate2.set_random_seed (its generator: other samples than PyTorch's)
+    max_tokens, max_input_len       this module's batching and truncation, as the PyTorch path
+
+One setting cannot be honoured exactly, and a warning says so: CTranslate2's
+beam search prunes with length**alpha, not GNMT's ((5 + length) / 6)**alpha,
+so with length_penalty != 0 its beam may keep other hypotheses. Token
+log-probabilities (JSONL output) come from CTranslate2 scoring each hypothesis.
+
+`ctranslate2` is an optional extra (`pip install -e ".[export]"`), imported only here and in seq2seq.export.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from seq2seq.config import DecodeConfig, ExperimentConfig, from_dict, load_config, to_dict
+from seq2seq.data import pad
+from seq2seq.errors import UserError
+from seq2seq.search import Hypothesis, length_penalty, max_lengths
+from seq2seq.tokenizer import Tokenizer
+from seq2seq.translate import TextTranslator
+from seq2seq.vocab import BOS, EOS, PAD, UNK
+
+log = logging.getLogger(__name__)
+
+CONFIG = "seq2seq.yaml"  # the checkpoint's experiment config, beside CTranslate2's config.json
+T = TypeVar("T", bound="CTranslate2Translator")
+
+
+def import_ctranslate2() -> Any:
+    try:
+        import ctranslate2
+    except ImportError:
+        raise UserError(
+            'CTranslate2 is not installed: pip install -e ".[export]" (or pip install ctranslate2)'
+        ) from None
+    return ctranslate2
+
+
+def is_exported(path: str | Path) -> bool:
+    """Whether `path` is a CTranslate2 model directory (rather than a checkpoint file)."""
+    return Path(path).is_dir() and (Path(path) / "model.bin").is_file()
+
+
+class CTranslate2Translator(TextTranslator):
+    """An exported model in CTranslate2, with the tokenizer and settings it was exported with.
+
+    >>> translator = CTranslate2Translator.from_directory("exported/quickstart-int8")
+    >>> translator.translate(["Ein Hund läuft im Schnee."])
+    ['A dog is running in the snow.']
+
+    `token_scores`: also score each hypothesis token by token (for JSONL output), a second pass.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        tokenizer: Tokenizer,
+        config: ExperimentConfig,
+        token_scores: bool = False,
+    ) -> None:
+        super().__init__(tokenizer, config.decode, config.data)
+        self.engine = engine
+        self._max_positions = config.model.max_positions
+        self.token_scores = token_scores
+        _warn_unhonoured(self.decode)
+
+    @classmethod
+    def from_directory(
+        cls,
+        path: str | Path,
+        device: str = "cpu",
+        threads: int = 0,
+        token_scores: bool = False,
+        overrides: list[str] | tuple[str, ...] = (),
+        **decode: Any,
+    ) -> CTranslate2Translator:
+        """Load an exported directory; `overrides` ("decode.beam_size=2") and keyword arguments
+        (beam_size=2) change its stored decode settings. device: cpu, cuda or auto."""
+        ctranslate2 = import_ctranslate2()
+        path = Path(path)
+        if not is_exported(path):
+            raise UserError(f"{path} is not a CTranslate2 model directory (no model.bin); seq2seq export writes one")
+        config = _read_config(path, list(overrides))
+        if decode:
+            raw = to_dict(config)
+            raw["decode"].update(decode)
+            config = from_dict(raw, source="CTranslate2Translator.from_directory")
+        if device == "auto":
+            device = "cuda" if ctranslate2.get_cuda_device_count() > 0 else "cpu"
+        try:
+            engine = ctranslate2.Translator(str(path), device=device, intra_threads=threads, inter_threads=1)
+        except (RuntimeError, ValueError) as e:  # a damaged model.bin, a device CTranslate2 was not built for
+            raise UserError(f"CTranslate2 cannot load {path}: {str(e).splitlines()[0]}") from None
+        return cls(engine, _read_tokenizer(path), config, token_scores)
+
+    @property
+    def max_positions(self) -> int:
+        return self._max_positions
+
+    def engine_info(self) -> dict[str, Any]:
+        e = self.engine
+        return {"engine": "ctranslate2", "device": e.device, "compute_type": e.compute_type, "parameters": None}
+
+    def with_decode(self: T, **changes: Any) -> T:
+        translator = super().with_decode(**changes)
+        _warn_unhonoured(translator.decode)
+        return translator
+
+    def _search(self, sources: list[list[int]], prefixes: list[list[int]] | None) -> list[list[Hypothesis]]:
+        cfg = self.decode
+        if cfg.strategy == "sample":
+            import_ctranslate2().set_random_seed(cfg.seed)
+        limits = _limits(sources, prefixes, cfg, self.max_positions - 1)
+        groups: dict[int, list[int]] = defaultdict(list)  # CTranslate2 takes one length limit per call
+        for i, limit in enumerate(limits):
+            groups[limit].append(i)
+        results: list[list[Hypothesis]] = [[] for _ in sources]
+        for limit, rows in groups.items():
+            src = [self.tokenizer.src_pieces(sources[i][:-1]) for i in rows]  # CTranslate2 appends EOS
+            prefix = [self.tokenizer.tgt_pieces(prefixes[i]) or None for i in rows] if prefixes else None
+            found = self.engine.translate_batch(
+                src, target_prefix=prefix, max_decoding_length=limit, return_scores=True, **self._options()
+            )
+            for i, source, result in zip(rows, src, found):
+                results[i] = self._hypotheses(source, result.hypotheses, result.scores)
+        return results
+
+    def _options(self) -> dict[str, Any]:
+        cfg = self.decode
+        suppressed = [PAD, BOS, UNK] if cfg.suppress_unk else [PAD, BOS]
+        options: dict[str, Any] = {
+            "beam_size": cfg.beam_size if cfg.strategy == "beam" else 1,
+            "num_hypotheses": cfg.beam_size if cfg.strategy == "beam" else 1,
+            "length_penalty": cfg.length_penalty,
+            "min_decoding_length": cfg.min_len,
+            "no_repeat_ngram_size": cfg.no_repeat_ngram,
+            "suppress_sequences": [self.tokenizer.tgt_pieces([i]) for i in suppressed],
+            "max_input_length": 0,  # truncated before, as decode.max_input_len says
+        }
+        if cfg.strategy == "sample":
+            options.update(sampling_topk=cfg.top_k, sampling_topp=cfg.top_p, sampling_temperature=cfg.temperature)
+        return options
+
+    def _hypotheses(self, source: list[str], found: list[list[str]], scores: list[float]) -> list[Hypothesis]:
+        """CTranslate2's hypotheses as this project's: token ids ending with EOS, GNMT-normalised scores."""
+        alpha = self.decode.length_penalty
+        tokens = [[self.tokenizer.tgt.piece_to_id(p) for p in pieces] + [EOS] for pieces in found]
+        if self.token_scores:
+            scored = self.engine.score_batch([source] * len(found), found)
+            per_token = [list(s.log_probs) for s in scored]  # EOS included
+        else:  # CTranslate2's score is the sum over length**alpha, EOS counted
+            per_token = [[] for _ in found]
+        hypotheses = []
+        for ids, score, logprobs in zip(tokens, scores, per_token):
+            total = sum(logprobs) if logprobs else score * len(ids) ** alpha
+            hypotheses.append(Hypothesis(ids, total / float(length_penalty(len(ids), alpha)), logprobs))
+        hypotheses.sort(key=lambda h: -h.score)
+        return hypotheses[: self.decode.nbest if self.decode.strategy == "beam" else 1]
+
+
+def _limits(sources: list[list[int]], prefixes: list[list[int]] | None, cfg: DecodeConfig, limit: int) -> list[int]:
+    """Tokens allowed before EOS per sentence, as seq2seq.search.max_lengths computes them."""
+    lengths = torch.tensor([len(s) for s in sources])
+    pad_mask = torch.arange(int(lengths.max()))[None, :] >= lengths[:, None]  # (B, S)
+    prefix = pad([p or [PAD] for p in prefixes]) if prefixes else None
+    return [int(n) for n in max_lengths(pad_mask, cfg, limit, prefix)]
+
+
+def _warn_unhonoured(cfg: DecodeConfig) -> None:
+    if cfg.strategy == "beam" and cfg.length_penalty != 0:
+        log.warning(
+            "decode.length_penalty=%g: CTranslate2's beam prunes with length**alpha, not GNMT's "
+            "((5 + length) / 6)**alpha, so beam results can differ from the PyTorch path's",
+            cfg.length_penalty,
+        )
+
+
+def _read_config(path: Path, overrides: list[str]) -> ExperimentConfig:
+    if not (path / CONFIG).is_file():
+        raise UserError(f"{path} has no {CONFIG} (exported by an older seq2seq?): export the checkpoint again")
+    return load_config(path / CONFIG, overrides)
+
+
+def _read_tokenizer(path: Path) -> Tokenizer:
+    shared, src, tgt = path / "spm.model", path / "spm.src.model", path / "spm.tgt.model"
+    if shared.is_file():
+        return Tokenizer(shared.read_bytes())
+    if src.is_file() and tgt.is_file():
+        return Tokenizer(src.read_bytes(), tgt.read_bytes())
+    raise UserError(f"{path} has no SentencePiece model (spm.model, or spm.src.model and spm.tgt.model)")
