@@ -138,37 +138,39 @@ def load(
         assert module is not None
         translator = module.Translator.from_checkpoint(model, **settings)
         return lambda lines: list(translator.translate(lines))
-    if name in exported:
+    if name in exported and "min_len" in settings and settings["min_len"] == settings["max_len"]:  # equal work
         from seq2seq.translate import Translator
 
         translator = Translator.from_checkpoint(model, **settings)  # its tokenizer and checked settings
-        return ct2_translate(exported[name], translator.tokenizer, translator.decode, threads)
+        return forced_ct2_translate(exported[name], translator.tokenizer, translator.decode, threads)
+    if name in exported:  # what `seq2seq translate -c DIR` runs
+        from seq2seq.exported import CTranslate2Translator
+
+        engine = CTranslate2Translator.from_directory(exported[name], threads=threads, **settings)
+        return lambda lines: list(engine.translate(lines))
     raise SystemExit(f"bench_decode: unknown system {name!r}; choose from {', '.join(SYSTEMS)}")
 
 
-def ct2_translate(directory: Path, tokenizer: Any, decode: Any, threads: int) -> Translate:
-    """CTranslate2 with the settings closest to `decode` (a DecodeConfig), batched by source tokens like it."""
+def forced_ct2_translate(directory: Path, tokenizer: Any, decode: Any, threads: int) -> Translate:
+    """CTranslate2 decoding exactly decode.max_len tokens per sentence (a shape's forced length), batched by
+    source tokens like the PyTorch path, with as many decoder steps: our tokens + EOS; the last step's
+    token is not EOS, so it is dropped."""
     import ctranslate2
 
     engine = ctranslate2.Translator(str(directory), device="cpu", intra_threads=threads, inter_threads=1)
     options = {
         "beam_size": decode.beam_size if decode.strategy == "beam" else 1,
         "length_penalty": decode.length_penalty,
-        "min_decoding_length": decode.min_len,  # EOS forbidden before min_len tokens
-        "max_decoding_length": decode.max_len + 1,  # max_len tokens, then EOS
-        "disable_unk": decode.suppress_unk,
-        "no_repeat_ngram_size": decode.no_repeat_ngram,
+        "min_decoding_length": decode.max_len + 1,
+        "max_decoding_length": decode.max_len + 1,
         "max_batch_size": decode.max_tokens,
         "batch_type": "tokens",
     }
-    forced = decode.min_len == decode.max_len
-    if forced:  # as many decoder steps as our tokens + EOS; the last step's token is not EOS, so it is dropped
-        options["min_decoding_length"] = options["max_decoding_length"] = decode.max_len + 1
 
     def translate(lines: list[str]) -> list[str]:
         pieces = [tokenizer.src.encode(line.strip(), out_type=str) for line in lines]
         results = engine.translate_batch(pieces, **options)
-        return [tokenizer.tgt.decode(r.hypotheses[0][: decode.max_len if forced else None]) for r in results]
+        return [tokenizer.tgt.decode(r.hypotheses[0][: decode.max_len]) for r in results]
 
     return translate
 

@@ -12,12 +12,14 @@ settings map onto its options:
     no_repeat_ngram                 no_repeat_ngram_size
     suppress_unk (and PAD, BOS)     suppress_sequences
     temperature, top_k, top_p       sampling_temperature, sampling_topk (0: the whole vocabulary), sampling_topp
-    seed                            ctranslate2.set_random_seed (its generator: other samples than PyTorch's)
+    seed                            ctranslate2.set_random_seed, once, before the model loads (its generator:
+                                    other samples than PyTorch's; a later seed change cannot reach it)
     max_tokens, max_input_len       this module's batching and truncation, as the PyTorch path
 
-One setting cannot be honoured exactly, and a warning says so: CTranslate2's
+Two settings cannot be honoured exactly, and a warning says so: CTranslate2's
 beam search prunes with length**alpha, not GNMT's ((5 + length) / 6)**alpha,
-so with length_penalty != 0 its beam may keep other hypotheses. Token
+so with length_penalty != 0 its beam may keep other hypotheses; and a seed
+changed after loading (with_decode, a server request) does not reseed it. Token
 log-probabilities (JSONL output) come from CTranslate2 scoring each hypothesis.
 
 `ctranslate2` is an optional extra (`pip install -e ".[export]"`), imported only here and in seq2seq.export.
@@ -82,7 +84,8 @@ class CTranslate2Translator(TextTranslator):
         self.engine = engine
         self._max_positions = config.model.max_positions
         self.token_scores = token_scores
-        _warn_unhonoured(self.decode)
+        self.seed = config.decode.seed  # what the engine's generator was seeded with
+        self._warn_unhonoured()
 
     @classmethod
     def from_directory(
@@ -107,6 +110,7 @@ class CTranslate2Translator(TextTranslator):
             config = from_dict(raw, source="CTranslate2Translator.from_directory")
         if device == "auto":
             device = "cuda" if ctranslate2.get_cuda_device_count() > 0 else "cpu"
+        ctranslate2.set_random_seed(config.decode.seed)  # each worker thread seeds its generator when it starts
         try:
             engine = ctranslate2.Translator(str(path), device=device, intra_threads=threads, inter_threads=1)
         except (RuntimeError, ValueError) as e:  # a damaged model.bin, a device CTranslate2 was not built for
@@ -123,13 +127,27 @@ class CTranslate2Translator(TextTranslator):
 
     def with_decode(self: T, **changes: Any) -> T:
         translator = super().with_decode(**changes)
-        _warn_unhonoured(translator.decode)
+        translator._warn_unhonoured()
         return translator
+
+    def _warn_unhonoured(self) -> None:
+        cfg = self.decode
+        if cfg.strategy == "beam" and cfg.length_penalty != 0:
+            log.warning(
+                "decode.length_penalty=%g: CTranslate2's beam prunes with length**alpha, not GNMT's "
+                "((5 + length) / 6)**alpha, so beam results can differ from the PyTorch path's",
+                cfg.length_penalty,
+            )
+        if cfg.strategy == "sample" and cfg.seed != self.seed:
+            log.warning(
+                "decode.seed=%d: CTranslate2's generator was seeded with %d when the model loaded and cannot be "
+                "reseeded; load the model again with this seed",
+                cfg.seed,
+                self.seed,
+            )
 
     def _search(self, sources: list[list[int]], prefixes: list[list[int]] | None) -> list[list[Hypothesis]]:
         cfg = self.decode
-        if cfg.strategy == "sample":
-            import_ctranslate2().set_random_seed(cfg.seed)
         limits = _limits(sources, prefixes, cfg, self.max_positions - 1)
         groups: dict[int, list[int]] = defaultdict(list)  # CTranslate2 takes one length limit per call
         for i, limit in enumerate(limits):
@@ -184,15 +202,6 @@ def _limits(sources: list[list[int]], prefixes: list[list[int]] | None, cfg: Dec
     pad_mask = torch.arange(int(lengths.max()))[None, :] >= lengths[:, None]  # (B, S)
     prefix = pad([p or [PAD] for p in prefixes]) if prefixes else None
     return [int(n) for n in max_lengths(pad_mask, cfg, limit, prefix)]
-
-
-def _warn_unhonoured(cfg: DecodeConfig) -> None:
-    if cfg.strategy == "beam" and cfg.length_penalty != 0:
-        log.warning(
-            "decode.length_penalty=%g: CTranslate2's beam prunes with length**alpha, not GNMT's "
-            "((5 + length) / 6)**alpha, so beam results can differ from the PyTorch path's",
-            cfg.length_penalty,
-        )
 
 
 def _read_config(path: Path, overrides: list[str]) -> ExperimentConfig:

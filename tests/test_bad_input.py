@@ -439,3 +439,25 @@ def test_evaluate_and_average_refuse_to_overwrite_their_inputs(
     argv = ["average", str(copy), str(checkpoint), "-o", str(copy)]
     assert_clean_failure(run_in_process(argv, capsys), 1, "--output", "is also an input")
     assert copy.read_bytes() == checkpoint.read_bytes()
+
+
+# The optional CTranslate2 extra: without it, the commands that need it say how to install it.
+
+
+@pytest.mark.parametrize("command", ["export", "translate", "evaluate", "translate --engine ctranslate2"])
+def test_without_ctranslate2_the_command_says_how_to_install_it(
+    command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "ctranslate2", None)  # `import ctranslate2` raises ImportError
+    exported = tmp_path / "ct2"
+    exported.mkdir()
+    (exported / "model.bin").write_bytes(b"")
+    checkpoint = tmp_path / "model.pt"
+    checkpoint.write_bytes(b"")
+    name, *options = command.split()
+    argv = {
+        "export": ["export", str(checkpoint), "-o", str(tmp_path / "out")],
+        "translate": ["translate", "-c", str(exported if not options else checkpoint), *options],
+        "evaluate": ["evaluate", "-c", str(exported)],
+    }[name]
+    assert_clean_failure(run_in_process(argv, capsys), 1, 'pip install -e ".[export]"')

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
+from conftest import TINY, tiny_overrides
 
 from seq2seq import checkpoint as ckpt
 from seq2seq.cli import main
@@ -18,6 +20,7 @@ def lines(path: Path) -> list[str]:
 
 
 ctranslate2 = pytest.importorskip("ctranslate2", reason="the export extra is not installed")
+from seq2seq.exported import CTranslate2Translator  # noqa: E402  (after the skip: it needs the extra)
 
 
 def _ct2_translate(model_dir: Path, translator: Translator, sources: list[str]) -> list[tuple[str, float]]:
@@ -72,3 +75,161 @@ def test_export_refuses_bad_requests(trained_run: Path, tmp_path: Path, capsys: 
     ckpt.save(tmp_path / "rope.pt", ckpt.Checkpoint(rope, stored.tokenizer, model.state_dict()))
     assert main(["export", str(tmp_path / "rope.pt"), "-o", str(tmp_path / "b")]) == 1
     assert "model.positions=rope does not export to CTranslate2 yet" in capsys.readouterr().err
+
+
+# Every variant the exporter maps, each value at least once: a tiny model trained a little,
+# exported, and run through the same text pipeline in both engines.
+VARIANTS = {
+    "pre-learned-shared-relu": ["model.norm=pre", "model.positions=learned", "model.activation=relu"],
+    "post-sinusoidal-separate-gelu": [
+        "model.norm=post",
+        "model.activation=gelu",
+        "data.shared_vocab=false",
+        "model.share_all_embeddings=false",
+    ],
+    "post-learned-separate-output": [
+        "model.norm=post",
+        "model.positions=learned",
+        "data.shared_vocab=false",
+        "model.share_all_embeddings=false",
+        "model.share_decoder_embeddings=false",
+    ],
+    "pre-sinusoidal-shared-gelu": ["model.norm=pre", "model.activation=gelu"],
+}
+
+
+@pytest.fixture(scope="module")
+def variants(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    """Each variant's (checkpoint, exported directory), trained for 120 updates (one thread)."""
+    out = {}
+    for name, overrides in VARIANTS.items():
+        run = tmp_path_factory.mktemp("variant") / name
+        extra = ["train.max_steps=120", "train.threads=1", "train.valid_bleu=false", *overrides]
+        assert main(["train", "--config", str(TINY), *tiny_overrides(corpus, run, *extra)]) == 0
+        checkpoint = run / "checkpoint_last.pt"
+        assert main(["export", str(checkpoint), "-o", str(run / "ct2")]) == 0
+        out[name] = (checkpoint, run / "ct2")
+    return out
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("strategy", ["greedy", "beam"])
+def test_every_variant_round_trips(
+    variants: dict[str, tuple[Path, Path]], corpus: Path, variant: str, strategy: str
+) -> None:
+    checkpoint, exported = variants[variant]
+    settings = {"strategy": strategy, "beam_size": 3, "nbest": 2 if strategy == "beam" else 1, "length_penalty": 0.0}
+    ours = Translator.from_checkpoint(checkpoint, **settings)
+    theirs = CTranslate2Translator.from_directory(exported, threads=1, token_scores=True, **settings)
+    sources = lines(corpus / "test.src")[:40] + [""]
+    for mine, other in zip(ours.translate_full(sources), theirs.translate_full(sources)):
+        assert len(mine.hypotheses) == len(other.hypotheses)  # 2 (beam), 1 (greedy), 0 (the empty line)
+        if not mine.hypotheses:
+            continue
+        a, b = mine.hypotheses[0], other.hypotheses[0]  # the runners-up depend on each beam's stopping rule
+        assert (a.tokens, mine.text) == (b.tokens, other.text)
+        assert a.score == pytest.approx(b.score, abs=2e-3)
+        assert a.token_scores == pytest.approx(b.token_scores, abs=2e-3)
+        assert [h.score for h in other.hypotheses] == sorted((h.score for h in other.hypotheses), reverse=True)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"max_len_a": 0.0, "max_len_b": 3},  # every translation cut at 3 tokens
+        {"min_len": 9, "max_len_a": 0.0, "max_len_b": 12},  # EOS forbidden before 9
+        {"max_len_a": 0.5, "max_len_b": 1},  # a limit per source length: one call per limit
+        {"no_repeat_ngram": 1, "suppress_unk": True},
+    ],
+    ids=["cut", "min", "per-source", "blocking"],
+)
+def test_length_and_blocking_settings_match_the_pytorch_path(
+    variants: dict[str, tuple[Path, Path]], corpus: Path, settings: dict[str, object]
+) -> None:
+    checkpoint, exported = variants["pre-learned-shared-relu"]
+    sources = lines(corpus / "test.src")[:40]
+    ours = Translator.from_checkpoint(checkpoint, strategy="greedy", **settings).translate(sources)
+    theirs = CTranslate2Translator.from_directory(exported, threads=1, strategy="greedy", **settings)
+    assert theirs.translate(sources) == ours
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_prefixes_and_sampling(variants: dict[str, tuple[Path, Path]], corpus: Path) -> None:
+    checkpoint, exported = variants["pre-sinusoidal-shared-gelu"]
+    sources = lines(corpus / "test.src")[:20]
+    prefixes = [s.split()[-1] if i % 2 else "" for i, s in enumerate(sources)]  # the right first word, or none
+    ours = Translator.from_checkpoint(checkpoint, strategy="greedy").translate_full(sources, prefixes=prefixes)
+    theirs = CTranslate2Translator.from_directory(exported, threads=1, strategy="greedy")
+    assert [t.text for t in theirs.translate_full(sources, prefixes=prefixes)] == [t.text for t in ours]
+    samples = []
+    for seed in (7, 7, 8):  # the generator is seeded when the model loads
+        sampler = CTranslate2Translator.from_directory(exported, strategy="sample", temperature=2.0, seed=seed)
+        samples.append(sampler.translate(sources))
+    assert samples[0] == samples[1] != samples[2]
+
+
+def test_translate_and_evaluate_through_the_directory(
+    trained_run: Path, corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    checkpoint, exported = trained_run / "checkpoint_best.pt", tmp_path / "ct2"
+    assert main(["export", str(checkpoint), "-o", str(exported)]) == 0
+    assert (exported / "seq2seq.yaml").is_file()
+    src = str(corpus / "test.src")
+    outputs = {}
+    for name, argv in {
+        "pytorch": ["-c", str(checkpoint)],
+        "directory": ["-c", str(exported)],
+        "on the fly": ["-c", str(checkpoint), "--engine", "ctranslate2"],
+    }.items():
+        out = tmp_path / f"{name}.jsonl"
+        assert main(["translate", *argv, "-i", src, "-o", str(out), "--format", "jsonl", "--threads", "1"]) == 0
+        outputs[name] = [json.loads(line) for line in lines(out)]
+    for name in ("directory", "on the fly"):
+        assert [r["nbest"][0]["tokens"] for r in outputs[name]] == [r["nbest"][0]["tokens"] for r in outputs["pytorch"]]
+        for mine, theirs in zip(outputs["pytorch"], outputs[name]):
+            assert theirs["score"] == pytest.approx(mine["score"], abs=2e-3)
+    capsys.readouterr()
+    scores = []
+    for model in (checkpoint, exported):  # the config's own test set, found through the stored data section
+        assert main(["evaluate", "-c", str(model), "--threads", "1"]) == 0
+        scores.append(capsys.readouterr().out.splitlines()[0])
+    assert scores[0] == scores[1] and scores[0].startswith("BLEU = ")
+
+
+def test_bad_requests_to_the_engine(trained_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    checkpoint, exported = str(trained_run / "checkpoint_best.pt"), tmp_path / "ct2"
+    assert main(["export", checkpoint, "-o", str(exported)]) == 0
+    capsys.readouterr()
+    translate = ["translate", "-c", str(exported), "-i", str(trained_run / "config.yaml")]
+    cases = [
+        ([*translate, "--engine", "torch"], 2, "is a CTranslate2 model directory"),
+        (["translate", "-c", str(exported), "-c", checkpoint], 2, "CTranslate2 runs one model"),
+        ([*translate, "--format", "jsonl", "--alignment"], 2, "need the PyTorch engine"),
+        ([*translate, "decode.beam_size=0"], 2, "decode.beam_size"),
+        ([*translate, "--device", "cuda"] if ctranslate2.get_cuda_device_count() == 0 else [], 1, "cannot load"),
+    ]
+    for argv, code, message in cases:
+        if argv:
+            assert main(argv) == code, argv
+            err = capsys.readouterr().err
+            assert message in err and err.count("\n") == 1, err
+    (exported / "seq2seq.yaml").unlink()
+    assert main(translate) == 1
+    assert "has no seq2seq.yaml" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_server_runs_an_exported_model(variants: dict[str, tuple[Path, Path]], corpus: Path) -> None:
+    from seq2seq.serve.engine import TranslatorEngine
+
+    _, exported = variants["pre-learned-shared-relu"]
+    translator = CTranslate2Translator.from_directory(exported, threads=1, strategy="greedy")
+    engine = TranslatorEngine(translator)
+    assert engine.describe()["engine"] == "ctranslate2"
+    sources = lines(corpus / "test.src")[:10]
+    settings = engine.settings({"strategy": "beam", "beam_size": 2, "length_penalty": 0.0})
+    answers = [t.text for t in engine.translate(sources, settings)]
+    assert answers == translator.with_decode(strategy="beam", beam_size=2, length_penalty=0.0).translate(sources)
+    assert translator.decode.strategy == "greedy"  # a request's settings do not leak into the defaults
