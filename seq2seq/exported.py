@@ -149,19 +149,34 @@ class CTranslate2Translator(TextTranslator):
     def _search(self, sources: list[list[int]], prefixes: list[list[int]] | None) -> list[list[Hypothesis]]:
         cfg = self.decode
         limits = _limits(sources, prefixes, cfg, self.max_positions - 1)
-        groups: dict[int, list[int]] = defaultdict(list)  # CTranslate2 takes one length limit per call
+        # CTranslate2 takes one length limit per call. A limit changes what a beam keeps, so beam search
+        # makes one call per limit; greedy and sampling choose each token without looking ahead, so one
+        # call up to the batch's largest limit, each hypothesis cut at its own, finds the same tokens.
+        groups: dict[int, list[int]] = defaultdict(list)
         for i, limit in enumerate(limits):
-            groups[limit].append(i)
-        results: list[list[Hypothesis]] = [[] for _ in sources]
+            groups[limit if cfg.strategy == "beam" else max(limits)].append(i)
+        src = [self.tokenizer.src_pieces(seq[:-1]) for seq in sources]  # CTranslate2 appends EOS
+        found: list[list[list[str]]] = [[] for _ in sources]  # pieces of each hypothesis, without EOS
+        scores: list[list[float | None]] = [[] for _ in sources]  # None: to be scored again
         for limit, rows in groups.items():
-            src = [self.tokenizer.src_pieces(sources[i][:-1]) for i in rows]  # CTranslate2 appends EOS
             prefix = [self.tokenizer.tgt_pieces(prefixes[i]) or None for i in rows] if prefixes else None
-            found = self.engine.translate_batch(
-                src, target_prefix=prefix, max_decoding_length=limit, return_scores=True, **self._options()
+            results = self.engine.translate_batch(
+                [src[i] for i in rows], prefix, max_decoding_length=limit, return_scores=True, **self._options()
             )
-            for i, source, result in zip(rows, src, found):
-                results[i] = self._hypotheses(source, result.hypotheses, result.scores)
-        return results
+            for i, result in zip(rows, results):
+                for pieces, score in zip(result.hypotheses, result.scores):
+                    cut = len(pieces) >= limits[i]  # no EOS yet: the PyTorch path forces it here, and scores it
+                    found[i].append(pieces[: limits[i]])
+                    scores[i].append(None if cut else score)
+        rescore = [(i, k) for i, s in enumerate(scores) for k, x in enumerate(s) if self.token_scores or x is None]
+        logprobs: dict[tuple[int, int], list[float]] = {}
+        if rescore:  # one call for the batch: each hypothesis's token log-probabilities, EOS included
+            scored = self.engine.score_batch([src[i] for i, _ in rescore], [found[i][k] for i, k in rescore])
+            logprobs = {key: list(result.log_probs) for key, result in zip(rescore, scored)}
+        return [
+            self._hypotheses(found[i], scores[i], [logprobs.get((i, k)) for k in range(len(found[i]))])
+            for i in range(len(sources))
+        ]
 
     def _options(self) -> dict[str, Any]:
         cfg = self.decode
@@ -179,19 +194,20 @@ class CTranslate2Translator(TextTranslator):
             options.update(sampling_topk=cfg.top_k, sampling_topp=cfg.top_p, sampling_temperature=cfg.temperature)
         return options
 
-    def _hypotheses(self, source: list[str], found: list[list[str]], scores: list[float]) -> list[Hypothesis]:
+    def _hypotheses(
+        self, found: list[list[str]], scores: list[float | None], logprobs: list[list[float] | None]
+    ) -> list[Hypothesis]:
         """CTranslate2's hypotheses as this project's: token ids ending with EOS, GNMT-normalised scores."""
         alpha = self.decode.length_penalty
-        tokens = [[self.tokenizer.tgt.piece_to_id(p) for p in pieces] + [EOS] for pieces in found]
-        if self.token_scores:
-            scored = self.engine.score_batch([source] * len(found), found)
-            per_token = [list(s.log_probs) for s in scored]  # EOS included
-        else:  # CTranslate2's score is the sum over length**alpha, EOS counted
-            per_token = [[] for _ in found]
         hypotheses = []
-        for ids, score, logprobs in zip(tokens, scores, per_token):
-            total = sum(logprobs) if logprobs else score * len(ids) ** alpha
-            hypotheses.append(Hypothesis(ids, total / float(length_penalty(len(ids), alpha)), logprobs))
+        for pieces, score, per_token in zip(found, scores, logprobs):
+            ids = [self.tokenizer.tgt.piece_to_id(p) for p in pieces] + [EOS]
+            if per_token is not None:
+                total = sum(per_token)
+            else:  # CTranslate2's score is the sum over length**alpha, EOS counted
+                assert score is not None
+                total = score * len(ids) ** alpha
+            hypotheses.append(Hypothesis(ids, total / float(length_penalty(len(ids), alpha)), per_token or []))
         hypotheses.sort(key=lambda h: -h.score)
         return hypotheses[: self.decode.nbest if self.decode.strategy == "beam" else 1]
 
