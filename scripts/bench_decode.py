@@ -1,9 +1,11 @@
-"""Decoding speed: sentences/s for greedy and beam search, one setting against its baseline.
+"""Decoding speed: sentences/s for greedy and beam search, one setting against its baseline, or engines side by side.
 
 `--compare cache` (the default) times the key/value cache against no cache;
+`--compare compile` times the decoding step compiled with `torch.compile`
+(dynamic shapes) against the eager step, and prints each one's first call;
 `--compare attention` times PyTorch's math attention kernel, which training
 asks for on CPU (`seq2seq.model.training_kernel`), against its flash kernel,
-which `scaled_dot_product_attention` picks by itself and decoding keeps.
+which `scaled_dot_product_attention` picks by itself elsewhere.
 The no-cache baseline (`seq2seq.uncached.uncached_search`) runs the same search
 code but recomputes the decoder over the whole prefix at every step. The
 machine's speed drifts (it may be shared), so the runs are interleaved, each
@@ -15,6 +17,19 @@ within each round; the report gives their medians.
 With --fixed-length L every hypothesis is exactly L tokens long (min_len = max_len = L),
 which measures the cache at a controlled length whatever the checkpoint's quality.
 Without a checkpoint, --train-minutes M first trains one with configs/quickstart.yaml.
+
+`--compare engines` puts side by side, in one process and interleaved round by
+round (the order rotating): this code ("pytorch"), the code of an earlier
+commit ("before", --baseline-rev, imported from git next to the working
+tree's), and the checkpoint exported to CTranslate2 (seq2seq.export) in
+float32 and int8. For each it reports sentences/s, the first call's latency
+(one short sentence, right after loading), the peak resident memory a run adds,
+the share of lines translated exactly as "pytorch" does and, given --ref,
+BLEU. --shapes adds random-weight models of the peer benchmark's shapes (with
+the checkpoint's vocabulary, every hypothesis forced to --shape-length tokens):
+
+    .venv/bin/python scripts/bench_decode.py --compare engines -c CKPT --src test.de.gz --ref test.en.gz \\
+        --shapes checkpoint,tiny,small --rounds 3
 """
 
 from __future__ import annotations
@@ -41,11 +56,55 @@ from seq2seq.search import search  # noqa: E402
 from seq2seq.translate import SearchFn, Translation, Translator  # noqa: E402
 from seq2seq.uncached import uncached_search  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_engines import BASELINE_REV, SHAPES, SYSTEMS  # noqa: E402
+
 # --compare -> the setting, then its baseline: (name, search function, attention kernel; None: PyTorch's choice)
 Setting = tuple[str, SearchFn, SDPBackend | None]
+
+
+class CompiledSteps:
+    """A model whose `decode_step` runs through `torch.compile` (dynamic shapes: the row count and the cache
+    length change from step to step), for `--compare compile`; one compiled function per model.
+
+    Inductor cannot lower oneDNN's prepacked linears (seq2seq.model.packed), so the
+    compiled step runs the modules' own weights and lets Inductor choose.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.max_positions = model.max_positions
+        self.encode = model.encode
+        self.decode_step = torch.compile(model.decode_step, dynamic=True)
+
+    def init_cache(self, memory: Any, src_pad_mask: torch.Tensor) -> Any:
+        import seq2seq.model.transformer as transformer
+
+        can_pack = transformer.can_pack
+        transformer.can_pack = lambda module: False
+        try:
+            return self.model.init_cache(memory, src_pad_mask)
+        finally:
+            transformer.can_pack = can_pack
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+
+_compiled: dict[int, CompiledSteps] = {}
+
+
+def compiled_search(model: Any, *args: Any, **kwargs: Any) -> Any:
+    """`search` with the model's decoding step compiled (compiled once per model, on first use)."""
+    if id(model) not in _compiled:
+        _compiled[id(model)] = CompiledSteps(model)
+    return search(_compiled[id(model)], *args, **kwargs)
+
+
 COMPARISONS: dict[str, tuple[Setting, Setting]] = {
     "cache": (("cached", search, None), ("uncached", uncached_search, None)),
     "attention": (("math", search, SDPBackend.MATH), ("flash", search, SDPBackend.FLASH_ATTENTION)),
+    "compile": (("compiled", compiled_search, None), ("eager", search, None)),
 }
 
 
@@ -75,7 +134,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--modes", default="greedy,beam", help="comma-separated: greedy, beam")
     p.add_argument("--train-minutes", type=float, default=0, help="train a quickstart checkpoint first if missing")
     p.add_argument("--json", help="also write the results here")
-    p.add_argument("--compare", choices=list(COMPARISONS), default="cache")
+    p.add_argument("--compare", choices=[*COMPARISONS, "engines"], default="cache")
+    engines = p.add_argument_group("--compare engines")
+    engines.add_argument("--ref", help="references of --src, for BLEU")
+    engines.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
+    engines.add_argument("--baseline-rev", default=BASELINE_REV, help="the git revision of the 'before' system")
+    engines.add_argument(
+        "--shapes", default="checkpoint", help=f"comma-separated: checkpoint (the real model), {', '.join(SHAPES)}"
+    )
+    engines.add_argument("--shape-length", type=int, default=32, help="tokens of every hypothesis of a shape")
     return p.parse_args()
 
 
@@ -118,6 +185,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     checkpoint = Path(args.checkpoint)
     ensure_checkpoint(checkpoint, args.train_minutes)
+    if args.compare == "engines":
+        from bench_engines import compare_engines
+
+        compare_engines(args, checkpoint)
+        return
     settings: dict[str, Any] = {"beam_size": args.beam, "nbest": 1}
     if args.max_tokens:
         settings["max_tokens"] = args.max_tokens
@@ -128,7 +200,10 @@ def main() -> None:
     lines = [line for line in read_lines(args.src) if line.strip()][: args.n]
     modes = args.modes.split(",")
     setting, baseline = COMPARISONS[args.compare]
-    for _, fn, kernel in (setting, baseline):
+    for label, fn, kernel in (setting, baseline):
+        for mode in modes:  # the first call (for "compiled": compilation) is timed apart
+            first = timed(translator, lines[:1], mode, fn, kernel, "first call")
+            print(f"first call, {mode}, {label}: {first.seconds:.2f} s", file=sys.stderr)
         timed(translator, lines[:8], "greedy", fn, kernel, "warm-up")
 
     runs: dict[str, list[Run]] = {}

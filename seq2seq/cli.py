@@ -17,16 +17,22 @@ import stat
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import IO, TYPE_CHECKING, BinaryIO, TypeVar
 
 from seq2seq.config import MAX_THREADS, apply_overrides, load_config
 from seq2seq.data import decode_lines, read_lines
 from seq2seq.errors import ConfigError, DataError, UserError
+from seq2seq.inputs import Record
 from seq2seq.serve import options as serve_options
 
 if TYPE_CHECKING:
+    from tqdm import tqdm
+
+    from seq2seq.alignment import AttentionMap, LayerChoice
     from seq2seq.config import DataConfig
     from seq2seq.translate import Translation, Translator
+
+T = TypeVar("T")
 
 log = logging.getLogger("seq2seq")
 
@@ -90,6 +96,7 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="translate each stdin line as it arrives (the default when stdin is a terminal)",
     )
+    _add_inspect_args(p)
     p.set_defaults(run=_translate)
 
     p = sub.add_parser("evaluate", help="score a checkpoint or a hypothesis file with sacreBLEU")
@@ -132,6 +139,36 @@ def _parser() -> argparse.ArgumentParser:
     serve_options.add_arguments(p)
     p.set_defaults(run=_serve)
     return parser
+
+
+def _add_inspect_args(p: argparse.ArgumentParser) -> None:
+    """translate's options for prefixes, attention pictures and alignments."""
+    g = p.add_argument_group("prefixes")
+    g.add_argument(
+        "--input-format",
+        choices=["text", "jsonl"],
+        default="text",
+        help='text: one sentence per line; jsonl: {"text": ..., "prefix": ...} per line',
+    )
+    g.add_argument("--prefix-file", help="target prefixes, one per input line, each forced at the start of its output")
+    g = p.add_argument_group("attention")
+    g.add_argument("--attention-dir", help="write a picture of each line's cross-attention here (NNNNNN.png)")
+    g.add_argument(
+        "--attention-layer",
+        default="last",
+        help="decoder layer for pictures and alignments: a number from 1, last (default) or all",
+    )
+    g.add_argument(
+        "--attention-heads",
+        choices=["mean", "each"],
+        default="mean",
+        help="pictures: heads averaged (default) or one panel per head; alignments always average",
+    )
+    g.add_argument(
+        "--alignment",
+        action="store_true",
+        help="jsonl output gains subword and word (i-j) alignments; costs a re-scoring pass",
+    )
 
 
 def _add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
@@ -254,10 +291,16 @@ def _translate(args: argparse.Namespace) -> int:
     line is always one output line. Every line before an unreadable one is translated and
     written before the error.
     """
+    layer = _check_inspect_args(args)
     source = open(args.input, "rb") if args.input else _stdin()
     try:
         _refuse_output_that_is_read(args, source)
+        records = _records(args, source)
         translator = _translator(args)
+        if args.attention_dir or args.alignment:
+            from seq2seq.alignment import require_attention
+
+            require_attention(translator.model, layer)
         if hasattr(sys.stdout, "reconfigure"):  # text is UTF-8 whatever the locale says
             sys.stdout.reconfigure(encoding="utf-8")
         from_terminal = not args.input and source.isatty()
@@ -265,20 +308,103 @@ def _translate(args: argparse.Namespace) -> int:
             log.info("translating each line typed on stdin; end with Ctrl-D")
         size = 1 if args.interactive or from_terminal else CHUNK_LINES
         sink = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+        bar = None if from_terminal or args.interactive else _progress_bar(args.input)
         try:
             done = 0
-            for chunk in _chunks(decode_lines(source, args.input or "stdin"), size):
-                for result in translator.translate_full(chunk, first_line=done + 1):
-                    sink.write(_format(result, args.format) + "\n")
-                sink.flush()
+            for chunk in _chunks(records, size):
+                _translate_chunk(args, translator, chunk, done + 1, layer, sink, bar)
                 done += len(chunk)
         finally:
+            if bar is not None:
+                bar.close()
             if args.output:
                 sink.close()
     finally:
         if args.input:
             source.close()
     return 0
+
+
+def _progress_bar(path: str | Path | None, total: int | None = None) -> tqdm | None:
+    """A bar on stderr (sentences done, sentences/s, and the ETA when the number of lines is known)
+    when stderr is a terminal; None otherwise, so that pipes and logs stay clean.
+
+    path: the input file, whose lines are counted when `total` is not given (None: stdin, not counted).
+    """
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    if total is None and path is not None:
+        from seq2seq.inputs import count_lines
+
+        try:
+            total = count_lines(path)
+        except OSError:  # counted only for the ETA
+            total = None
+    return tqdm(total=total, unit="sent", desc="translating", file=sys.stderr, dynamic_ncols=True)
+
+
+def _translate_chunk(
+    args: argparse.Namespace,
+    translator: Translator,
+    chunk: list[Record],
+    first: int,
+    layer: LayerChoice,
+    sink: IO[str],
+    bar: tqdm | None = None,
+) -> None:
+    """Translate, draw and align one chunk of records (lines first..), and write its output lines."""
+    prefixes = [r.prefix for r in chunk] if any(r.prefix for r in chunk) else None
+    results = translator.translate_full(
+        [r.text for r in chunk], first_line=first, prefixes=prefixes, progress=None if bar is None else bar.update
+    )
+    maps: list[AttentionMap | None] = [None] * len(results)
+    if args.attention_dir or args.alignment:
+        maps = translator.attention(results, layer, args.attention_heads)
+    if args.attention_dir:
+        from seq2seq.pictures import draw, picture_path
+
+        Path(args.attention_dir).mkdir(parents=True, exist_ok=True)
+        for number, amap in enumerate(maps, start=first):
+            if amap is not None:
+                draw(amap, picture_path(Path(args.attention_dir), number))
+    for result, amap in zip(results, maps):
+        sink.write(_format(result, args.format, args.alignment, amap) + "\n")
+    sink.flush()
+
+
+def _check_inspect_args(args: argparse.Namespace) -> LayerChoice:
+    """Options that do not go together, a missing matplotlib, a bad layer: refused before anything runs."""
+    from seq2seq.alignment import parse_layer
+
+    if args.alignment and args.format != "jsonl":
+        raise ConfigError("--alignment needs --format jsonl (the alignments are fields of each JSON line)")
+    if args.prefix_file and args.input_format == "jsonl":
+        raise ConfigError('give prefixes in the JSONL input ("prefix") or with --prefix-file, not both')
+    if args.attention_dir:
+        from seq2seq.pictures import require_matplotlib
+
+        require_matplotlib()
+    return parse_layer(args.attention_layer)
+
+
+def _records(args: argparse.Namespace, source: BinaryIO) -> Iterator[Record]:
+    """The input as records: plain lines, JSONL records, or lines with their --prefix-file line."""
+    from seq2seq import inputs
+
+    name = args.input or "stdin"
+    lines = decode_lines(source, name)
+    if args.input_format == "jsonl":
+        return inputs.jsonl(lines, name)
+    if not args.prefix_file:
+        return inputs.plain(lines)
+    prefixes = read_lines(args.prefix_file)
+    if args.input and Path(args.input).is_file():  # a file can be checked before anything is translated
+        count = inputs.count_lines(args.input)
+        if count != len(prefixes):
+            raise inputs.misaligned(args.prefix_file, len(prefixes), name, str(count))
+    return inputs.with_prefixes(lines, prefixes, args.prefix_file, name)
 
 
 def _stdin() -> BinaryIO:
@@ -323,12 +449,12 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
-def _chunks(lines: Iterable[str], size: int) -> Iterator[list[str]]:
+def _chunks(lines: Iterable[T], size: int) -> Iterator[list[T]]:
     """Lines in groups of `size`, yielded as soon as each group is complete.
 
     When reading fails midway, the lines read before the failure are yielded first.
     """
-    chunk: list[str] = []
+    chunk: list[T] = []
     try:
         for line in lines:
             chunk.append(line)
@@ -343,27 +469,44 @@ def _chunks(lines: Iterable[str], size: int) -> Iterator[list[str]]:
         yield chunk
 
 
-def _format(result: Translation, fmt: str) -> str:
+def _format(result: Translation, fmt: str, alignment: bool = False, amap: AttentionMap | None = None) -> str:
+    """One output line: the text, or a JSON object (with `alignment`, the alignments of `amap`;
+    empty ones for an empty line)."""
     if fmt == "text":
         return result.text
-    return json.dumps(
-        {
-            "source": result.source,
-            "translation": result.text,
-            "score": result.hypotheses[0].score if result.hypotheses else None,
-            "nbest": [
-                {
-                    "translation": text,
-                    "score": h.score,
-                    "tokens": h.tokens,
-                    "pieces": pieces,
-                    "token_logprobs": h.token_scores,
-                }
-                for text, pieces, h in zip(result.texts, result.pieces, result.hypotheses)
-            ],
-        },
-        ensure_ascii=False,
-    )
+    line: dict[str, object] = {
+        "source": result.source,
+        **({"prefix": result.prefix} if result.prefix else {}),
+        "translation": result.text,
+        "score": result.hypotheses[0].score if result.hypotheses else None,
+        "nbest": [
+            {
+                "translation": text,
+                "score": h.score,
+                "tokens": h.tokens,
+                "pieces": pieces,
+                "token_logprobs": h.token_scores,
+            }
+            for text, pieces, h in zip(result.texts, result.pieces, result.hypotheses)
+        ],
+    }
+    if alignment:
+        line.update(_alignment_fields(amap))
+    return json.dumps(line, ensure_ascii=False)
+
+
+def _alignment_fields(amap: AttentionMap | None) -> dict[str, object]:
+    """The best hypothesis' alignments: per target subword (EOS included) the index of a source subword,
+    and the word alignment in Pharaoh 'i-j' form."""
+    from seq2seq.alignment import pharaoh, subword_alignment, word_alignment
+
+    if amap is None:
+        return {"source_pieces": [], "alignment": [], "word_alignment": ""}
+    return {
+        "source_pieces": amap.source,
+        "alignment": subword_alignment(amap),
+        "word_alignment": pharaoh(word_alignment(amap)),
+    }
 
 
 def _evaluate(args: argparse.Namespace) -> int:
@@ -392,7 +535,12 @@ def _evaluate(args: argparse.Namespace) -> int:
         lang = translator.data.tgt_lang
         if tok_ref is None and args.ref is None:
             tok_ref = _default_tok_ref(translator.data)
-        hyps = translator.translate(src)
+        bar = _progress_bar(None, total=len(src))
+        try:
+            hyps = translator.translate(src, progress=None if bar is None else bar.update)
+        finally:
+            if bar is not None:
+                bar.close()
     if len(hyps) != len(refs):
         raise DataError(f"{len(hyps)} hypotheses but {len(refs)} references")
     if args.save:

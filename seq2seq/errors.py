@@ -34,3 +34,7 @@ class DownloadError(UserError):
 
 class RunDirError(UserError):
     """A run directory that cannot be used as asked: in use, or holding another run's checkpoints."""
+
+
+class AttentionError(UserError):
+    """Attention that cannot be shown as asked: a model without attention, or a layer it does not have."""

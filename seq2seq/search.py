@@ -30,6 +30,14 @@ have finished, or when all its live hypotheses are forced to end at max_len_i.
 With alpha > 0 a live hypothesis could in principle still overtake a finished
 one; like fairseq we do not keep searching for it.
 
+Prefixes. A sentence may come with a target prefix (B, P) of tokens, PAD after
+its end: its first tokens are forced to the prefix, in every strategy, and
+search continues freely after it. A forced token is scored like any other (its
+model log-probability counts in L and in token_scores), and the length limit
+max_len_i is raised to the prefix's length when it is shorter (so the output
+may be the prefix and EOS). Beam search carries one live hypothesis through
+the prefix and widens after it.
+
 Batch invariance. Every operation is per sentence (per row, or per group of K
 rows), and a sampled sentence draws from its own random stream, seeded by
 decode.seed and its source tokens, so a translation does not depend on which
@@ -71,11 +79,15 @@ def length_penalty(length: int | Tensor, alpha: float) -> float | Tensor:
     return ((5 + length) / 6) ** alpha
 
 
-def max_lengths(src_pad_mask: Tensor, cfg: DecodeConfig, limit: int) -> Tensor:
-    """Tokens allowed before EOS per sentence: a * source length + b, within [min_len, min(max_len, limit)]. (B,)"""
+def max_lengths(src_pad_mask: Tensor, cfg: DecodeConfig, limit: int, prefix: Tensor | None = None) -> Tensor:
+    """Tokens allowed before EOS per sentence: a * source length + b, within [min_len, min(max_len, limit)],
+    and at least the prefix's length (B, P) when there is one (still within limit). (B,)"""
     src_len = (~src_pad_mask).sum(dim=1).float()
     lengths = (cfg.max_len_a * src_len + cfg.max_len_b).floor().long()
-    return lengths.clamp(min=cfg.min_len).clamp(max=min(cfg.max_len, limit))
+    lengths = lengths.clamp(min=cfg.min_len).clamp(max=min(cfg.max_len, limit))
+    if prefix is None:
+        return lengths
+    return torch.maximum(lengths, (prefix != PAD).sum(dim=1)).clamp(max=limit)
 
 
 def constrain(logprobs: Tensor, step: int, max_len: Tensor, history: Tensor, cfg: DecodeConfig) -> Tensor:
@@ -101,6 +113,37 @@ def constrain(logprobs: Tensor, step: int, max_len: Tensor, history: Tensor, cfg
         # A model that rules EOS out entirely (possible only with -inf logits) gets a cut, scored 0.
         logprobs[forced, EOS] = model_eos[forced].nan_to_num(neginf=0.0)
     return logprobs
+
+
+def next_logprobs(
+    logits: Tensor, step: int, max_len: Tensor, history: Tensor, cfg: DecodeConfig, forced: Tensor | None
+) -> Tensor:
+    """The model's log-probabilities (N, V) for position `step`, constrained (see `constrain`).
+
+    `forced` (N,) holds a prefix token for the rows that must take one (PAD for
+    the others): such a row keeps only that token, at the model's log-probability.
+    """
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    if forced is None:
+        return constrain(logprobs, step, max_len, history, cfg)
+    # (N,) before constrain masks them; a model that rules the token out entirely (only -inf logits
+    # can) gets it scored 0, as constrain does for a forced EOS, so that the prefix always appears.
+    model_scores = logprobs.gather(1, forced[:, None])[:, 0].nan_to_num(neginf=0.0)
+    logprobs = constrain(logprobs, step, max_len, history, cfg)
+    rows = (forced != PAD).nonzero().flatten()
+    logprobs[rows] = NEG_INF
+    logprobs[rows, forced[rows]] = model_scores[rows]
+    return logprobs
+
+
+def forced_tokens(prefix: Tensor | None, step: int, sentence: Tensor) -> Tensor | None:
+    """The prefix token each row must take at `step` (PAD: none), or None when no row has one.
+
+    prefix: (B, P) PAD after each prefix's end; sentence: (N,) the batch index of each row.
+    """
+    if prefix is None or step >= prefix.shape[1]:
+        return None
+    return prefix[sentence, step]
 
 
 def block_repeated_ngrams(logprobs: Tensor, tokens: Tensor, n: int) -> None:
@@ -165,33 +208,41 @@ def sentence_uniforms(src: Tensor, src_pad_mask: Tensor, seed: int, steps: int) 
     return torch.stack(rows).to(src.device)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def sequential_search(
-    model: IncrementalModel, src: Tensor, src_pad_mask: Tensor, cfg: DecodeConfig, pick: Picker, limit: int
+    model: IncrementalModel,
+    src: Tensor,
+    src_pad_mask: Tensor,
+    cfg: DecodeConfig,
+    pick: Picker,
+    limit: int,
+    prefix: Tensor | None = None,
 ) -> list[list[Hypothesis]]:
-    """Decode one hypothesis per sentence, choosing each token with `pick`.
+    """Decode one hypothesis per sentence, choosing each token with `pick` (after the forced prefix, if any).
 
     Finished sentences leave the batch, so later steps compute only live rows.
     """
     B = src.shape[0]
     cache = model.init_cache(model.encode(src, src_pad_mask), src_pad_mask)
-    max_len = max_lengths(src_pad_mask, cfg, limit)  # (B,)
+    max_len = max_lengths(src_pad_mask, cfg, limit, prefix)  # (B,)
     alive = torch.arange(B, device=src.device)  # batch index of each row
     history = torch.full((B, 1), BOS, dtype=torch.long, device=src.device)  # (N, step + 1)
     step_scores = torch.zeros(B, 0, device=src.device)  # (N, step)
     results: list[list[Hypothesis]] = [[] for _ in range(B)]
     for step in itertools.count():  # ends: EOS is forced once step reaches max_len
         logits = model.decode_step(history[:, -1:], cache)  # (N, V)
-        logprobs = constrain(torch.log_softmax(logits.float(), dim=-1), step, max_len[alive], history, cfg)
+        forced = forced_tokens(prefix, step, alive)
+        logprobs = next_logprobs(logits, step, max_len[alive], history, cfg, forced)
         token = pick(logprobs, alive, step)  # (N,)
         history = torch.cat([history, token[:, None]], dim=1)
         step_scores = torch.cat([step_scores, logprobs.gather(1, token[:, None])], dim=1)
         done = token == EOS
         if not done.any():
             continue
-        for row in done.nonzero().flatten().tolist():
-            hypothesis = make_hypothesis(history[row, 1:].tolist(), step_scores[row].tolist(), cfg.length_penalty)
-            results[int(alive[row])] = [hypothesis]
+        ended = done.nonzero().flatten()
+        rows = zip(alive[ended].tolist(), history[ended, 1:].tolist(), step_scores[ended].tolist())
+        for b, tokens, token_scores in rows:
+            results[b] = [make_hypothesis(tokens, token_scores, cfg.length_penalty)]
         if done.all():
             return results
         keep = (~done).nonzero().flatten()
@@ -214,24 +265,28 @@ class BeamStep:
     next_scores: Tensor  # (B, K) summed log-probabilities of the kept live hypotheses; -inf for empty slots
     next_tokens: Tensor  # (B, K) their last token; PAD in empty slots
     next_rows: Tensor  # (B, K) the row (in N) each one extends
-    eos_rows: Tensor  # (M,) rows whose EOS extension ranks among the top K, sentence by sentence, best first ...
-    eos_scores: Tensor  # (M,) ... and its summed log-probability
+    finishing: Tensor  # (B, 2K) which of each sentence's best candidates, best first, are EOS ranked among the top K
+    eos_rows: Tensor  # (M,) the rows those EOS extensions extend, sentence by sentence, best first ...
+    eos_scores: Tensor  # (M,) ... and their summed log-probabilities
 
 
-def beam_step(scores: Tensor, logprobs: Tensor) -> BeamStep:
+def beam_step(scores: Tensor, logprobs: Tensor, beam_size: int = 0) -> BeamStep:
     """The selection rule: the K best live extensions, and the EOS ones among the top K.
 
-    scores: (B, K) summed log-probabilities (-inf for empty slots);
-    logprobs: (B * K, V) next-token log-probabilities (-inf where forbidden).
-    Among the 2K best candidates at most K are EOS (one per row), so K live ones
-    remain whenever K finite non-EOS candidates exist; otherwise slots stay empty.
+    scores: (B, R) summed log-probabilities of each sentence's R rows (-inf for
+    empty slots); logprobs: (B * R, V) next-token log-probabilities (-inf where
+    forbidden); beam_size K (0: R). R is K, or 1 at the first step, when every
+    hypothesis is BOS alone. Among the 2K best candidates at most K are EOS
+    ranked in the top K, so K live ones remain whenever K finite non-EOS
+    candidates exist; otherwise slots stay empty.
     """
-    B, K = scores.shape
+    B, R = scores.shape
+    K = beam_size or R
     V = logprobs.shape[-1]
-    candidates = (scores[:, :, None] + logprobs.view(B, K, V)).view(B, K * V)
-    top_scores, top_index = candidates.topk(min(2 * K, K * V), dim=1)  # (B, 2K), best first
+    candidates = (scores[:, :, None] + logprobs.view(B, R, V)).view(B, R * V)
+    top_scores, top_index = candidates.topk(min(2 * K, R * V), dim=1)  # (B, 2K), best first
     top_tokens = top_index % V
-    top_rows = top_index // V + torch.arange(B, device=scores.device)[:, None] * K
+    top_rows = top_index // V + torch.arange(B, device=scores.device)[:, None] * R
     finite = torch.isfinite(top_scores)
     is_eos = top_tokens == EOS
     rank = torch.arange(top_scores.shape[1], device=scores.device)
@@ -239,93 +294,131 @@ def beam_step(scores: Tensor, logprobs: Tensor) -> BeamStep:
     live = ~is_eos & finite
     order = (~live).to(torch.uint8).argsort(dim=1, stable=True)[:, :K]  # live candidates first, best first
     kept = live.gather(1, order)
-    return BeamStep(
-        next_scores=top_scores.gather(1, order).masked_fill(~kept, NEG_INF),
-        next_tokens=top_tokens.gather(1, order).masked_fill(~kept, PAD),
-        next_rows=top_rows.gather(1, order),
-        eos_rows=top_rows[finishing],
-        eos_scores=top_scores[finishing],
-    )
+    next_scores = top_scores.gather(1, order).masked_fill(~kept, NEG_INF)
+    next_tokens = top_tokens.gather(1, order).masked_fill(~kept, PAD)
+    next_rows = top_rows.gather(1, order)
+    if order.shape[1] < K:  # fewer than K candidates in all (a tiny vocabulary at the first step): empty slots
+        missing = K - order.shape[1]
+        next_scores = torch.cat([next_scores, next_scores.new_full((B, missing), NEG_INF)], dim=1)
+        next_tokens = torch.cat([next_tokens, next_tokens.new_full((B, missing), PAD)], dim=1)
+        next_rows = torch.cat([next_rows, next_rows[:, :1].expand(B, missing)], dim=1)
+    return BeamStep(next_scores, next_tokens, next_rows, finishing, top_rows[finishing], top_scores[finishing])
 
 
-@torch.no_grad()
+class Finished:
+    """Finished hypotheses, kept as tensors step by step and turned into `Hypothesis` objects once, at the end.
+
+    At most K per sentence, in the order they finish (best first within a step).
+    """
+
+    def __init__(self, n_sentences: int, beam_size: int, device: torch.device) -> None:
+        self.K = beam_size
+        self.count = torch.zeros(n_sentences, dtype=torch.long, device=device)  # per searching sentence
+        self.found: list[tuple[Tensor, Tensor, Tensor]] = []  # (sentence (M,), tokens (M, n), scores (M, n))
+
+    def collect(self, out: BeamStep, sentence: Tensor, history: Tensor, step_scores: Tensor, logprobs: Tensor) -> None:
+        """Keep this step's EOS extensions while their sentence has fewer than K.
+
+        sentence: (B,) batch index of each searching sentence; history (N, step + 1)
+        and step_scores (N, step): each row's tokens (BOS first) and their log-probabilities.
+        """
+        taken = out.finishing & (self.count[:, None] + out.finishing.cumsum(dim=1) <= self.K)  # (B, 2K)
+        self.count += taken.sum(dim=1)
+        rows = out.eos_rows[taken[out.finishing]]  # (M,)
+        if rows.numel() == 0:
+            return
+        eos = torch.full((rows.shape[0], 1), EOS, dtype=history.dtype, device=history.device)
+        tokens = torch.cat([history[rows, 1:], eos], dim=1)
+        scores = torch.cat([step_scores[rows], logprobs[rows, EOS][:, None]], dim=1)
+        self.found.append((sentence[torch.div(rows, self.K, rounding_mode="floor")], tokens, scores))
+
+    def drop(self, keep: Tensor) -> None:
+        """Follow the searching sentences when some stop: keep (B',) their indices."""
+        self.count = self.count[keep]
+
+    def hypotheses(self, n_sentences: int, alpha: float) -> list[list[Hypothesis]]:
+        """Each sentence's finished hypotheses, in the order they finished. Scores are recomputed from the
+        token log-probabilities (in float64, as for greedy search), so beam size 1 and greedy agree exactly."""
+        results: list[list[Hypothesis]] = [[] for _ in range(n_sentences)]
+        for sentence, tokens, scores in self.found:
+            for b, t, sc in zip(sentence.tolist(), tokens.tolist(), scores.tolist()):
+                results[b].append(make_hypothesis(t, sc, alpha))
+        return results
+
+
+@torch.inference_mode()
 def beam_search(
-    model: IncrementalModel, src: Tensor, src_pad_mask: Tensor, cfg: DecodeConfig, limit: int
+    model: IncrementalModel,
+    src: Tensor,
+    src_pad_mask: Tensor,
+    cfg: DecodeConfig,
+    limit: int,
+    prefix: Tensor | None = None,
 ) -> list[list[Hypothesis]]:
     """Batched beam search; up to `cfg.nbest` distinct hypotheses per sentence, best first.
 
     Rows of a sentence are contiguous (sentence b owns rows b*K .. b*K+K-1). The
-    cache is expanded to K rows per sentence once, reordered within sentences at
-    each step, and shrunk only when a sentence stops.
+    first step runs one row per sentence (all K hypotheses are BOS then); its K
+    best extensions expand the cache to K rows per sentence, which are then
+    reordered within sentences at each step and shrunk only when a sentence stops.
     """
     B, K, device = src.shape[0], cfg.beam_size, src.device
     cache = model.init_cache(model.encode(src, src_pad_mask), src_pad_mask)
-    cache.select(torch.arange(B, device=device).repeat_interleave(K))  # cross K/V expanded once
-    max_len = max_lengths(src_pad_mask, cfg, limit).repeat_interleave(K)  # (N,)
+    max_len = max_lengths(src_pad_mask, cfg, limit, prefix)  # (N,)
     sentence = torch.arange(B, device=device)  # batch index of each searching sentence
-    scores = torch.full((B, K), NEG_INF, device=device)
-    scores[:, 0] = 0.0  # all K rows start as BOS: expand only the first
-    history = torch.full((B * K, 1), BOS, dtype=torch.long, device=device)  # (N, step + 1)
-    step_scores = torch.zeros(B * K, 0, device=device)  # (N, step)
-    finished: list[list[Hypothesis]] = [[] for _ in range(B)]
+    scores = torch.zeros(B, 1, device=device)  # (B, rows per sentence)
+    history = torch.full((B, 1), BOS, dtype=torch.long, device=device)  # (N, step + 1)
+    step_scores = torch.zeros(B, 0, device=device)  # (N, step)
+    finished = Finished(B, K, device)
     for step in itertools.count():  # ends: EOS is forced once step reaches max_len
         logits = model.decode_step(history[:, -1:], cache)  # (N, V)
-        logprobs = constrain(torch.log_softmax(logits.float(), dim=-1), step, max_len, history, cfg)
-        out = beam_step(scores, logprobs)
-        collect_finished(finished, out, sentence, history, step_scores, logprobs, K, cfg.length_penalty)
-        rows, tokens = out.next_rows.flatten(), out.next_tokens.flatten()  # (N,)
+        forced = forced_tokens(prefix, step, sentence.repeat_interleave(scores.shape[1]))
+        logprobs = next_logprobs(logits, step, max_len, history, cfg, forced)
+        out = beam_step(scores, logprobs, K)
+        finished.collect(out, sentence, history, step_scores, logprobs)
+        rows, tokens = out.next_rows.flatten(), out.next_tokens.flatten()  # (B * K,)
         history = torch.cat([history[rows], tokens[:, None]], dim=1)
         step_scores = torch.cat([step_scores[rows], logprobs[rows, tokens][:, None]], dim=1)
-        scores = out.next_scores
-        n_finished = torch.tensor([len(finished[b]) for b in sentence.tolist()], device=device)
-        searching = (n_finished < K) & torch.isfinite(scores).any(dim=1)  # (B,)
+        expanding = scores.shape[1] != K
+        scores, max_len = out.next_scores, max_len[rows]
+        searching = (finished.count < K) & torch.isfinite(scores).any(dim=1)  # (B,)
         if not searching.any():
             break
         if searching.all():
-            cache.reorder(rows)
+            if expanding:
+                cache.select(rows)  # each sentence's row becomes its K hypotheses
+            else:
+                cache.reorder(rows)
             continue
         keep = searching.nonzero().flatten()
         keep_rows = (keep[:, None] * K + torch.arange(K, device=device)).flatten()
         cache.select(rows[keep_rows])  # rows of a kept sentence share its cross K/V, so this is exact
         sentence, scores, max_len = sentence[keep], scores[keep], max_len[keep_rows]
         history, step_scores = history[keep_rows], step_scores[keep_rows]
-    return [sorted(hyps, key=lambda h: -h.score)[: cfg.nbest] for hyps in finished]
-
-
-def collect_finished(
-    finished: list[list[Hypothesis]],
-    out: BeamStep,
-    sentence: Tensor,
-    history: Tensor,
-    step_scores: Tensor,
-    logprobs: Tensor,
-    K: int,
-    alpha: float,
-) -> None:
-    """Turn this step's EOS extensions into finished hypotheses, best first, at most K per sentence.
-
-    Scores are recomputed from the token log-probabilities (in float64, as for
-    greedy search), so beam size 1 and greedy agree exactly.
-    """
-    for row in out.eos_rows.tolist():
-        hyps = finished[int(sentence[row // K])]
-        if len(hyps) < K:
-            token_scores = step_scores[row].tolist() + [float(logprobs[row, EOS])]
-            hyps.append(make_hypothesis(history[row, 1:].tolist() + [EOS], token_scores, alpha))
+        finished.drop(keep)
+    hypotheses = finished.hypotheses(B, cfg.length_penalty)
+    return [sorted(hyps, key=lambda h: -h.score)[: cfg.nbest] for hyps in hypotheses]
 
 
 def search(
-    model: IncrementalModel, src: Tensor, src_pad_mask: Tensor, cfg: DecodeConfig, limit: int
+    model: IncrementalModel,
+    src: Tensor,
+    src_pad_mask: Tensor,
+    cfg: DecodeConfig,
+    limit: int,
+    prefix: Tensor | None = None,
 ) -> list[list[Hypothesis]]:
     """Hypotheses for each sentence of src (B, S) with `cfg.strategy`, best first.
 
-    `limit` caps the tokens before EOS (the model's positions minus one).
+    `limit` caps the tokens before EOS (the model's positions minus one); `prefix`
+    (B, P), PAD after each prefix's end, forces the first tokens of each sentence.
     """
     if cfg.strategy == "beam":
-        return beam_search(model, src, src_pad_mask, cfg, limit)
+        return beam_search(model, src, src_pad_mask, cfg, limit, prefix)
     if cfg.strategy == "greedy":
-        return sequential_search(model, src, src_pad_mask, cfg, pick_greedy, limit)
+        return sequential_search(model, src, src_pad_mask, cfg, pick_greedy, limit, prefix)
     if cfg.strategy == "sample":
-        pick = make_sampler(cfg, src, src_pad_mask, min(cfg.max_len, limit) + 1)
-        return sequential_search(model, src, src_pad_mask, cfg, pick, limit)
+        longest = max(min(cfg.max_len, limit), prefix.shape[1] if prefix is not None else 0)
+        pick = make_sampler(cfg, src, src_pad_mask, longest + 1)
+        return sequential_search(model, src, src_pad_mask, cfg, pick, limit, prefix)
     raise ValueError(f"unknown decoding strategy {cfg.strategy!r}: use beam, greedy or sample")

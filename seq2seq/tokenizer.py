@@ -65,6 +65,9 @@ class Tokenizer:
     def tgt_pieces(self, ids: Sequence[int]) -> list[str]:
         return [self.tgt.id_to_piece(int(i)) for i in ids]
 
+    def src_pieces(self, ids: Sequence[int]) -> list[str]:
+        return [self.src.id_to_piece(int(i)) for i in ids]
+
     def state(self) -> dict[str, bytes | None]:
         return {"src": self.src_proto, "tgt": self.tgt_proto}
 

@@ -4,25 +4,29 @@ Sentences are sorted by length, grouped into batches by a token budget
 (decode.max_tokens source tokens), searched, detokenized and put back in input
 order. Search is batch-invariant, so the grouping changes speed, not output.
 Inputs longer than decode.max_input_len (or the model's positions) are
-truncated with a warning; empty lines translate to empty lines.
+truncated with a warning; empty lines translate to empty lines. A line may come
+with a target prefix, which its translation starts with (seq2seq.search).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
+from seq2seq.alignment import AttentionMap, LayerChoice, model_attention, require_attention
 from seq2seq.checkpoint import load_checkpoint
 from seq2seq.config import DataConfig, DecodeConfig, from_dict, replace_checked, to_dict
 from seq2seq.data import make_batches, pad
 from seq2seq.ensemble import Ensemble
+from seq2seq.errors import DataError
 from seq2seq.model import Seq2SeqModel
 from seq2seq.search import Hypothesis, search
 from seq2seq.tokenizer import Tokenizer
@@ -30,8 +34,17 @@ from seq2seq.vocab import EOS, PAD
 
 log = logging.getLogger(__name__)
 
-SearchFn = Callable[[Any, Tensor, Tensor, DecodeConfig, int], list[list[Hypothesis]]]
-"""(model, src (B, S), src_pad_mask (B, S), settings, limit) -> hypotheses per sentence, as `search.search`."""
+Progress = Callable[[int], None]
+"""Called with the number of lines just translated (e.g. a progress bar's `update`)."""
+
+
+class SearchFn(Protocol):
+    """(model, src (B, S), src_pad_mask (B, S), settings, limit, prefix (B, P) or None) -> hypotheses
+    per sentence, as `search.search`."""
+
+    def __call__(
+        self, model: Any, src: Tensor, src_pad_mask: Tensor, cfg: DecodeConfig, limit: int, prefix: Tensor | None = None
+    ) -> list[list[Hypothesis]]: ...
 
 
 @dataclass
@@ -40,6 +53,8 @@ class Translation:
     hypotheses: list[Hypothesis]  # best first; empty for an empty input line
     texts: list[str]  # detokenized hypotheses
     pieces: list[list[str]]  # the subwords of each hypothesis, one per token score
+    source_tokens: list[int] = field(default_factory=list)  # the subword ids the model read, EOS included
+    prefix: str = ""  # the target prefix the hypotheses start with ("": none)
 
     @property
     def text(self) -> str:
@@ -89,38 +104,103 @@ class Translator:
         translator.decode = replace_checked(self.decode, changes, "decode settings", "decode.")
         return translator
 
-    def translate(self, lines: Sequence[str]) -> list[str]:
+    def translate(self, lines: Sequence[str], progress: Progress | None = None) -> list[str]:
         """Best translation of each line."""
-        return [t.text for t in self.translate_full(lines)]
+        return [t.text for t in self.translate_full(lines, progress=progress)]
 
-    def translate_full(self, lines: Sequence[str], first_line: int = 1) -> list[Translation]:
+    def translate_full(
+        self,
+        lines: Sequence[str],
+        first_line: int = 1,
+        prefixes: Sequence[str] | None = None,
+        progress: Progress | None = None,
+    ) -> list[Translation]:
         """Translations with n-best hypotheses, scores and token log-probabilities, in input order.
 
         `first_line` numbers the lines in warnings (for input read in chunks).
+        `prefixes`, one per line ("" for none), are forced at the start of each
+        translation and scored like the rest (seq2seq.search).
+        `progress` is told how many more lines are done after each batch.
         """
+        if prefixes is not None and len(prefixes) != len(lines):
+            raise DataError(f"{len(prefixes)} prefixes for {len(lines)} lines; give one per line")
         ids = self._encode(lines, first_line)
+        forced = self._encode_prefixes(prefixes, first_line) if prefixes is not None else None
         results: list[list[Hypothesis]] = [[] for _ in lines]
         todo = [i for i, seq in enumerate(ids) if len(seq) > 1]  # empty lines translate to ""
-        was_training = self.model.training
-        self.model.eval()
-        try:
+        if progress is not None and len(todo) < len(lines):
+            progress(len(lines) - len(todo))
+        with self._eval_mode():
             for batch in make_batches([len(ids[i]) for i in todo], self.decode.max_tokens):
                 indices = [todo[j] for j in batch]
                 src = pad([ids[i] for i in indices]).to(self.device)
-                hyps = self.search_fn(self.model, src, src == PAD, self.decode, self.model.max_positions - 1)
+                prefix = None
+                if forced is not None and any(forced[i] for i in indices):
+                    prefix = pad([forced[i] or [PAD] for i in indices]).to(self.device)  # PAD: nothing forced
+                hyps = self.search_fn(self.model, src, src == PAD, self.decode, self.model.max_positions - 1, prefix)
                 for i, h in zip(indices, hyps):
                     results[i] = h
-        finally:
-            self.model.train(was_training)
+                if progress is not None:
+                    progress(len(indices))
         return [
             Translation(
                 line,
                 hyps,
                 [self.tokenizer.decode_tgt(h.tokens) for h in hyps],
                 [self.tokenizer.tgt_pieces(h.tokens) for h in hyps],
+                seq,
+                prefixes[i] if prefixes is not None else "",
             )
-            for line, hyps in zip(lines, results)
+            for i, (line, hyps, seq) in enumerate(zip(lines, results, ids))
         ]
+
+    def attention(
+        self, translations: Sequence[Translation], layer: LayerChoice = "last", heads: str = "mean"
+    ) -> list[AttentionMap | None]:
+        """The cross-attention of each translation's best hypothesis (None for an empty line).
+
+        `layer`: a decoder layer from 1, "last" or "all"; `heads`: "mean" (averaged)
+        or "each". The hypothesis is re-scored by a teacher-forced pass
+        (seq2seq.alignment says why), batched like translation.
+        """
+        require_attention(self.model, layer)
+        maps: list[AttentionMap | None] = [None for _ in translations]
+        todo = [i for i, t in enumerate(translations) if t.hypotheses and t.source_tokens]
+        with self._eval_mode():
+            for batch in make_batches([len(translations[i].source_tokens) for i in todo], self.decode.max_tokens):
+                chosen = [translations[todo[j]] for j in batch]
+                src = pad([t.source_tokens for t in chosen]).to(self.device)
+                tgt = pad([t.hypotheses[0].tokens for t in chosen]).to(self.device)
+                weights, layers, head_names = model_attention(self.model, src, src == PAD, tgt, layer, heads)
+                for row, (j, t) in enumerate(zip(batch, chosen)):
+                    S, T = len(t.source_tokens), len(t.hypotheses[0].tokens)
+                    maps[todo[j]] = AttentionMap(
+                        self.tokenizer.src_pieces(t.source_tokens),
+                        t.pieces[0],
+                        weights[row, :T, :, :, :S].permute(1, 2, 0, 3).float().cpu(),  # (L', H', T, S)
+                        layers,
+                        head_names,
+                    )
+        return maps
+
+    @contextlib.contextmanager
+    def _eval_mode(self) -> Iterator[None]:
+        """The model in eval mode (no dropout) for a while; validation calls this between training updates."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            yield
+        finally:
+            self.model.train(was_training)
+
+    def _encode_prefixes(self, prefixes: Sequence[str], first_line: int) -> list[list[int]]:
+        """Target subword ids of each prefix (no EOS); one that leaves no room for EOS is refused."""
+        limit = self.model.max_positions - 1
+        encoded = self.tokenizer.encode_tgt([prefix.strip() for prefix in prefixes])
+        for number, seq in enumerate(encoded, start=first_line):
+            if len(seq) > limit:
+                raise DataError(f"the prefix of line {number} has {len(seq)} subwords; the model allows {limit}")
+        return encoded
 
     def _encode(self, lines: Sequence[str], first_line: int = 1) -> list[list[int]]:
         """Subword ids + EOS, truncated to fit decode.max_input_len and the model's positions."""

@@ -58,7 +58,12 @@ class UncachedModel:
 
 
 def uncached_search(
-    model: Seq2SeqModel, src: Tensor, src_pad_mask: Tensor, cfg: DecodeConfig, limit: int
+    model: Seq2SeqModel,
+    src: Tensor,
+    src_pad_mask: Tensor,
+    cfg: DecodeConfig,
+    limit: int,
+    prefix: Tensor | None = None,
 ) -> list[list[Hypothesis]]:
     """`seq2seq.search.search` without the key/value cache."""
-    return search(UncachedModel(model), src, src_pad_mask, cfg, limit)
+    return search(UncachedModel(model), src, src_pad_mask, cfg, limit, prefix)

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import io
 import logging
 import random
 import subprocess
@@ -125,6 +126,31 @@ def test_translate_files_and_threads(trained_run: Path, tmp_path: Path, capsys: 
     assert lines(output) == [reverse(s) for s in SOURCES]  # one line out per line in, empty stays empty
     assert main([*argv, "--threads", "-1"]) == 2
     assert "--threads" in one_error_line(capsys)
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_translate_and_evaluate_show_progress_only_on_a_terminal(
+    trained_run: Path, corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A bar with sentences done, their rate and the total (so an ETA) when stderr is a terminal; nothing in a pipe."""
+    checkpoint = str(trained_run / "checkpoint_best.pt")
+    source = tmp_path / "in.txt"
+    source.write_text("\n".join(SOURCES) + "\n", encoding="utf-8")
+    translate = ["translate", "-c", checkpoint, "-i", str(source), "-o", str(tmp_path / "out.txt")]
+    evaluate = ["evaluate", "-c", checkpoint, "--src", str(corpus / "val.src"), "--ref", str(corpus / "val.tgt")]
+    for argv, total in ((translate, len(SOURCES)), (evaluate, len(lines(corpus / "val.src")))):
+        assert main(argv) == 0
+        assert "sent/s" not in capsys.readouterr().err  # not a terminal: no bar
+        terminal = Terminal()
+        monkeypatch.setattr(sys, "stderr", terminal)
+        assert main(argv) == 0
+        monkeypatch.undo()
+        bar = terminal.getvalue()
+        assert "translating" in bar and f"{total}/{total}" in bar and "sent/s" in bar
 
 
 def test_translate_missing_input_file(trained_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend
 
 from seq2seq.config import ModelConfig, RNNConfig
-from seq2seq.model import MultiHeadAttention, Seq2SeqModel, build_model, kernel_scope, training_kernel
+from seq2seq.model import DecoderCache, MultiHeadAttention, Seq2SeqModel, build_model, kernel_scope, training_kernel
 from seq2seq.model.rnn import Encoded
 from seq2seq.model.transformer import sinusoidal_table
 from seq2seq.vocab import BOS, EOS, PAD
@@ -244,6 +244,61 @@ def test_cache_reorder_and_select_follow_the_rows(name: str) -> None:
     cache.reorder(order)
     steps = [model.decode_step(tgt[order, t : t + 1], cache) for t in range(3, 6)]
     torch.testing.assert_close(torch.stack(steps, dim=1), expected[order, 3:], **CLOSE)
+
+
+@pytest.mark.parametrize("name", ["pre", "post", "relative", "rope"])
+@torch.no_grad()
+def test_cache_follows_beams_and_dropped_rows(name: str) -> None:
+    """The cache as beam search and greedy search use it: each sentence expanded to a beam (sharing one copy of
+    its cross-attention keys/values), hypotheses reordered within a beam, rows dropped a few at a time (kept
+    in place, only mapped) or many at once (copied): every step still equals the full forward pass."""
+    model = tiny_model(**variant(name))
+    src, mask = source_batch()
+    K, length = 4, 8
+    g = torch.Generator().manual_seed(5)
+    tgt = torch.randint(EOS + 1, VOCAB, (3 * K, length), generator=g)  # one target per hypothesis
+    tgt[:, 0] = BOS
+    sentence = torch.arange(3).repeat_interleave(K)
+    expected = model(src[sentence], mask[sentence], tgt)  # (3K, length, V)
+    cache = model.init_cache(model.encode(src, mask), mask)
+    cache.select(sentence)
+    assert isinstance(cache, DecoderCache) and cache.group == K
+    row = torch.arange(3 * K)  # the hypothesis (row of tgt) each row of the cache holds
+    within = torch.tensor([3, 1, 2, 0, 4, 6, 5, 7, 9, 8, 11, 10])
+    changes = {
+        2: ("reorder", within),  # within each beam
+        3: ("select", torch.tensor([0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11])),  # one row dropped: mapped, not copied
+        5: ("select", torch.tensor([0, 1, 3, 7, 8, 9])),  # most dropped: copied
+        6: ("reorder", torch.tensor([1, 0, 2, 3, 5, 4])),
+    }
+    for t in range(length):
+        if t in changes:
+            how, index = changes[t]
+            getattr(cache, how)(index)
+            row = row[index]
+            if t == 3:
+                assert cache.rows is not None and cache.batch_size == 11
+        logits = model.decode_step(tgt[row, t : t + 1], cache)
+        torch.testing.assert_close(logits, expected[row, t], **CLOSE)
+
+
+def test_decoding_follows_the_weights_after_training_updates() -> None:
+    """Decoding keeps prepacked copies of the decoder's weights; an update (a fused optimizer's too, which does
+    not bump the parameters' versions) must not leave it decoding with the old ones."""
+    model = tiny_model(**variant("post")).eval()
+    src, mask = source_batch()
+    tgt = target_batch()
+    with torch.no_grad():
+        before = decode_incrementally(model, src, mask, tgt)
+    model.train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1, fused=True)
+    model(src, mask, tgt).logsumexp(dim=-1).mean().backward()
+    optimizer.step()
+    model.eval()
+    with torch.no_grad():
+        after = decode_incrementally(model, src, mask, tgt)
+        torch.testing.assert_close(after, model(src, mask, tgt), **CLOSE)
+    assert not torch.allclose(after, before, atol=1e-3)
 
 
 @pytest.mark.parametrize("name", ["pre", "rope", "rnn-lstm-dot"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -59,6 +60,29 @@ def test_bench_decode_reports_speed_ratios_and_identical_outputs(
     summary = json.loads(results.read_text(encoding="utf-8"))
     assert set(summary["runs"]) == {"greedy cached", "greedy uncached", "beam2 cached", "beam2 uncached"}
     assert all(len(ratios) == 1 and ratios[0] > 0 for ratios in summary["ratios"].values())
+
+
+def test_bench_decode_compares_engines(trained_run: Path, corpus: Path, tmp_path: Path) -> None:
+    """This code against an earlier commit's (here HEAD: the same outputs) and the CTranslate2 export, on the
+    checkpoint and on a random-weight model of the peer benchmark's smaller shape."""
+    results = tmp_path / "engines.json"
+    systems = "before,pytorch" + (",ct2-float32" if importlib.util.find_spec("ctranslate2") else "")
+    args = ["--compare", "engines", "-c", str(trained_run / "checkpoint_best.pt"), "--systems", systems]
+    args += ["--src", str(corpus / "test.src"), "--ref", str(corpus / "test.tgt"), "-n", "8", "--rounds", "1"]
+    args += ["--beam", "2", "--threads", "1", "--baseline-rev", "HEAD", "--shapes", "checkpoint,tiny"]
+    args += ["--shape-length", "3", "--json", str(results)]
+    proc = run_script("bench_decode.py", *args, cwd=tmp_path)
+    assert "first call" in proc.stdout
+    summary = json.loads(results.read_text(encoding="utf-8"))
+    assert set(summary["results"]) == {"checkpoint greedy", "checkpoint beam2", "tiny greedy", "tiny beam2"}
+    for table in summary["results"].values():
+        assert set(table) == set(systems.split(","))
+        assert table["before"]["same_as_pytorch"] == 1.0
+        assert all(r["sent_per_s"][0] > 0 and r["first_call_s"] > 0 for r in table.values())
+    checkpoint = summary["results"]["checkpoint greedy"]
+    assert checkpoint["pytorch"]["bleu"] > 80
+    if "ct2-float32" in checkpoint:
+        assert checkpoint["ct2-float32"]["same_as_pytorch"] >= 0.8  # the same model in another engine
 
 
 def test_bench_train_times_two_update_settings_on_the_same_batches(

@@ -140,6 +140,20 @@ def test_scores_and_nbest(server: Server) -> None:
     assert status == 200 and body["translations"][0]["text"] == "cat red" and "nbest" not in body["translations"][0]
 
 
+def test_prefixes_start_the_translations_as_with_translate(server: Server, checkpoint: Path, tmp_path: Path) -> None:
+    lines, prefixes = ["red cat dog", "sun moon tree", "", "car bird"], ["sun", "", "fish", "bird bird"]
+    (tmp_path / "in.txt").write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    (tmp_path / "prefix.txt").write_text("".join(p + "\n" for p in prefixes), encoding="utf-8")
+    argv = ["translate", "-c", str(checkpoint), "--threads", "1", "-i", str(tmp_path / "in.txt")]
+    assert main([*argv, "--prefix-file", str(tmp_path / "prefix.txt"), "-o", str(tmp_path / "out.txt")]) == 0
+    expected = (tmp_path / "out.txt").read_text(encoding="utf-8").splitlines()
+    assert expected[0].startswith("sun ") and expected[3].startswith("bird bird")
+    assert server.post({"text": lines, "prefix": prefixes}) == (200, {"translations": expected})
+    with ThreadPoolExecutor(4) as pool:  # with and without prefixes, perhaps in one batch
+        requests = [{"text": [line], "prefix": [p]} if p else {"text": [line]} for line, p in zip(lines, prefixes)]
+        assert list(pool.map(server.post, requests)) == [(200, {"translations": [e]}) for e in expected]
+
+
 @pytest.mark.parametrize(
     ("body", "status", "message"),
     [
@@ -162,6 +176,9 @@ def test_scores_and_nbest(server: Server) -> None:
         ({"text": ["red cat"] * 65}, 413, "65 lines in one request; the limit is 64"),
         ({"text": ["red", "a" * 101]}, 413, "text[1] has 101 characters; the limit is 100"),
         ({"text": ["red\ncat"]}, 400, "text[0] contains a line break"),
+        ({"text": ["red"], "prefix": "cat"}, 400, '"prefix" must be a list of strings'),
+        ({"text": ["red"], "prefix": ["a", "b"]}, 400, '"prefix" has 2 items for 1 lines of "text"'),
+        ({"text": ["red"], "prefix": ["a" * 101]}, 413, "prefix[0] has 101 characters; the limit is 100"),
         (b'{"text": ["red"]' + b" " * 20000 + b"}", 413, "the limit is 20000"),
     ],
 )
@@ -283,6 +300,7 @@ class RecordingEngine:
     """Translates a line to "line|beam_size" and records each call's lines and settings."""
 
     calls: list[tuple[list[str], DecodeConfig]] = field(default_factory=list)
+    prefixes: list[list[str] | None] = field(default_factory=list)  # each call's prefixes
     fail: bool = False
 
     @property
@@ -295,10 +313,13 @@ class RecordingEngine:
     def source_lengths(self, lines: list[str]) -> list[int]:
         return [len(line.split()) + 1 for line in lines]
 
-    def translate(self, lines: list[str], settings: DecodeConfig) -> list[Translation]:
+    def translate(
+        self, lines: list[str], settings: DecodeConfig, prefixes: list[str] | None = None
+    ) -> list[Translation]:
         if self.fail:
             raise RuntimeError("the engine broke")
         self.calls.append((list(lines), settings))
+        self.prefixes.append(prefixes)
         return [Translation(line, [], [f"{line}|{settings.beam_size}"], [[]]) for line in lines]
 
     def describe(self) -> dict[str, Any]:
@@ -327,6 +348,28 @@ def test_batcher_groups_by_settings_within_the_budget_and_answers_each_caller() 
         (["r1", "r3"], 2),
         (["r4", "r5"], 1),
     ]
+
+
+def test_requests_with_and_without_prefixes_share_a_batch() -> None:
+    engine = RecordingEngine()
+
+    async def run() -> None:
+        batcher = Batcher(engine, max_tokens=100, max_wait=0.5, max_queue=100)
+        batcher.start()
+        try:
+            settings = engine.settings({})
+            await asyncio.gather(
+                batcher.translate(["a b", "c d"], settings, 6),
+                batcher.translate(["e f"], settings, 3, ["x"]),
+                batcher.translate(["g h"], settings, 3),
+            )
+            await batcher.translate(["i j"], settings, 3)
+        finally:
+            await batcher.stop()
+
+    asyncio.run(run())
+    assert [lines for lines, _ in engine.calls] == [["a b", "c d", "e f", "g h"], ["i j"]]
+    assert engine.prefixes == [["", "", "x", ""], None]  # an engine without prefixes is never given any
 
 
 def test_internal_error_is_a_500_with_an_id_that_is_logged(caplog: pytest.LogCaptureFixture) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seq2seq.model.attention import LayerCache, MultiHeadAttention
+from seq2seq.model.attention import LayerCache, MultiHeadAttention, Packing
 from seq2seq.model.dropout import Dropout, add_dropout
 
 
@@ -87,9 +87,9 @@ class EncoderLayer(nn.Module):
         self.attn_block = Residual(d_model, dropout, norm_first, options.norm(d_model))
         self.ffn_block = Residual(d_model, dropout, norm_first, options.norm(d_model))
 
-    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
-        """x: (B, S, D); mask: (B, 1, 1, S) True where attention is allowed."""
-        x = self.attn_block(x, lambda h: self.self_attn.self_attention(h, mask=mask))
+    def forward(self, x: Tensor, mask: Tensor, packing: Packing | None = None) -> Tensor:
+        """x: (B, S, D), or (n, D) at the real positions of `packing`; mask: (B, 1, 1, S) True where allowed."""
+        x = self.attn_block(x, lambda h: self.self_attn.self_attention(h, mask=mask, packing=packing))
         return self.ffn_block(x, self.ffn)
 
 
@@ -114,20 +114,29 @@ class DecoderLayer(nn.Module):
         self.cross_block = Residual(d_model, dropout, norm_first, options.norm(d_model))
         self.ffn_block = Residual(d_model, dropout, norm_first, options.norm(d_model))
 
-    def forward(self, x: Tensor, memory: Tensor, memory_mask: Tensor) -> Tensor:
-        """Teacher-forced pass. x: (B, T, D); memory: (B, S, D); memory_mask: (B, 1, 1, S)."""
+    def forward(self, x: Tensor, memory: Tensor, memory_mask: Tensor, weights: list[Tensor] | None = None) -> Tensor:
+        """Teacher-forced pass. x: (B, T, D); memory: (B, S, D); memory_mask: (B, 1, 1, S).
+
+        With a `weights` list, the cross-attention weights (B, H, T, S) are appended to it.
+        """
         x = self.self_block(x, lambda h: self.self_attn.self_attention(h, causal=True))
         k, v = self.cross_attn.project_memory(memory)
-        x = self.cross_block(x, lambda h: self.cross_attn.attend(self.cross_attn.project_query(h), k, v, memory_mask))
+        x = self.cross_block(x, lambda h: self.cross(h, k, v, memory_mask, weights))
         return self.ffn_block(x, self.ffn)
 
-    def step(self, x: Tensor, cache: LayerCache, memory_mask: Tensor) -> Tensor:
-        """One incremental position. x: (B, 1, D); appends this step's keys/values to `cache`."""
-        x = self.self_block(x, lambda h: self.self_attn.self_attention(h, cache=cache))
-        x = self.cross_block(
-            x,
-            lambda h: self.cross_attn.attend(
-                self.cross_attn.project_query(h), cache.cross_k, cache.cross_v, memory_mask
-            ),
-        )
-        return self.ffn_block(x, self.ffn)
+    def step(self, x: Tensor, cache: LayerCache, memory_mask: Tensor, weights: list[Tensor] | None = None) -> Tensor:
+        """One incremental position. x: (N, 1, D); appends this step's keys/values to `cache`
+        (and, with a `weights` list, the cross-attention weights (N, H, 1, S) to it)."""
+        x = self.self_block(x, lambda h: self.self_attn.cached_self_attention(h, cache))
+        x = self.cross_block(x, lambda h: cache.cross_attention(self.cross_attn, h, memory_mask, weights))
+        return self.ffn_block(x, cache.linears.ffn)
+
+    def cross(self, h: Tensor, k: Tensor, v: Tensor, mask: Tensor, weights: list[Tensor] | None) -> Tensor:
+        """Cross-attention of h (B, T, D) over the encoder's keys/values: the fused kernel unless
+        the weights are asked for."""
+        q = self.cross_attn.project_query(h)
+        if weights is None:
+            return self.cross_attn.attend(q, k, v, mask)
+        out, w = self.cross_attn.attend_with_weights(q, k, v, mask)
+        weights.append(w)
+        return out

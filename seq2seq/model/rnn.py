@@ -135,6 +135,9 @@ class RNNCache:
         self.memory = memory  # (N, S, H)
         self.keys = keys  # (N, S, H), or None without attention
         self.pad_mask = pad_mask  # (N, S) True at padding
+        # None: nothing recorded. A list: each step appends its alignment weights as (N, 1, 1, S)
+        # (one layer, one head, like the Transformer's (N, L, H, S)), rows as they are at that step.
+        self.attention: list[Tensor] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -202,7 +205,9 @@ class RNNDecoder(nn.Module):
         assert self.attention is not None and cache.feed is not None and cache.keys is not None
         out, cache.state = run_rnn(self.rnn, torch.cat([x, cache.feed], dim=-1)[:, None], cache.state)
         d = out[:, 0]  # (B, H) the top layer's state
-        context, _ = self.attention(d, cache.keys, cache.memory, cache.pad_mask)
+        context, weights = self.attention(d, cache.keys, cache.memory, cache.pad_mask)
+        if cache.attention is not None:
+            cache.attention.append(weights[:, None, None, :])
         cache.feed = torch.tanh(self.readout(torch.cat([context, d], dim=-1)))
         return cache.feed
 
@@ -219,6 +224,17 @@ class Seq2SeqRNN(nn.Module):
     def forward(self, src: Tensor, src_pad_mask: Tensor, tgt_in: Tensor, select: Tensor | None = None) -> Tensor:
         """Teacher-forced logits (B, T, V), or (N, V) for the `select`ed positions only."""
         return self.decoder(tgt_in, self.init_cache(self.encode(src, src_pad_mask), src_pad_mask), select)
+
+    @torch.no_grad()
+    def cross_attention(self, src: Tensor, src_pad_mask: Tensor, tgt_in: Tensor) -> Tensor:
+        """Teacher-forced alignment weights (B, T, 1, 1, S) of target inputs (B, T), BOS first
+        (one layer and one head, the Transformer's (B, T, L, H, S)); the model must have attention."""
+        if self.decoder.attention is None:
+            raise ValueError("this RNN has no attention (model.rnn.attention: none)")
+        cache = self.init_cache(self.encode(src, src_pad_mask), src_pad_mask)
+        cache.attention = []
+        self.decoder(tgt_in, cache)
+        return torch.stack(cache.attention, dim=1)
 
     def encode(self, src: Tensor, src_pad_mask: Tensor) -> Encoded:
         return self.encoder(src, src_pad_mask)

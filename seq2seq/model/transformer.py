@@ -12,12 +12,15 @@ import math
 from typing import cast
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from seq2seq.config import ModelConfig
-from seq2seq.model.attention import DecoderCache, LayerCache, attention_mask
+from seq2seq.model import packed
+from seq2seq.model.attention import DecoderCache, Packing, attention_mask
 from seq2seq.model.dropout import Dropout
-from seq2seq.model.layers import DecoderLayer, EncoderLayer, LayerOptions
+from seq2seq.model.layers import DecoderLayer, EncoderLayer, FeedForward, LayerOptions
+from seq2seq.model.packed import DecoderLinears, Linear, StepLinears, can_pack, packed_linear, plain_linear
 from seq2seq.vocab import PAD
 
 
@@ -74,12 +77,17 @@ class Encoder(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.final_norm = final_norm  # LayerNorm for pre-norm, Identity for post-norm
 
-    def forward(self, src: Tensor, src_pad_mask: Tensor) -> Tensor:
+    def forward(self, src: Tensor, src_pad_mask: Tensor, skip_padding: bool = False) -> Tensor:
+        """(B, S) -> (B, S, D). `skip_padding`: compute only the real positions (zeros at padding)."""
         mask = attention_mask(src_pad_mask)  # (B, 1, 1, S)
         x = self.embedding(src)  # (B, S, D)
+        packing = Packing.of(src_pad_mask) if skip_padding else None
+        if packing is not None:
+            x = packing.pack(x)  # (n, D)
         for layer in self.layers:
-            x = layer(x, mask)
-        return self.final_norm(x)
+            x = layer(x, mask, packing)
+        x = self.final_norm(x)
+        return x if packing is None else packing.unpack(x)
 
 
 class Decoder(nn.Module):
@@ -92,21 +100,86 @@ class Decoder(nn.Module):
         self.final_norm = final_norm
         self.output = output  # (V, D) weight, tied to the embedding unless configured otherwise
 
-    def forward(self, tgt_in: Tensor, memory: Tensor, memory_mask: Tensor, select: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        tgt_in: Tensor,
+        memory: Tensor,
+        memory_mask: Tensor,
+        select: Tensor | None = None,
+        weights: list[Tensor] | None = None,
+    ) -> Tensor:
+        """Logits; with a `weights` list, each layer's cross-attention weights (B, H, T, S) are appended to it."""
         x = self.embedding(tgt_in)  # (B, T, D)
         for layer in self.layers:
-            x = layer(x, memory, memory_mask)
+            x = layer(x, memory, memory_mask, weights)
         x = self.final_norm(x)
         if select is not None:
             x = x[select]  # (N, D): project only the positions that are scored
         return self.output(x)  # (B, T, V) or (N, V)
 
     def step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
-        x = self.embedding(tokens, start=cache.step)  # (B, 1, D)
+        x = self.embedding(cache.stored(tokens), start=cache.step)  # (P, 1, D)
+        weights: list[Tensor] | None = None if cache.attention is None else []
         for layer, layer_cache in zip(self.layers, cache.layers):
-            x = cast(DecoderLayer, layer).step(x, layer_cache, cache.cross_mask)
+            x = cast(DecoderLayer, layer).step(x, layer_cache, cache.cross_mask, weights)
+        if cache.attention is not None and weights is not None:
+            cache.attention.append(cache.searched(torch.stack(weights, dim=1)[:, :, :, 0]))  # (N, L, H, S)
         cache.step += 1
-        return self.output(self.final_norm(x))[:, 0]  # (B, V)
+        return cache.output(cache.searched(self.final_norm(x)[:, 0]))  # (B, V)
+
+    def train(self, mode: bool = True) -> Decoder:
+        if mode:
+            packed.forget(self)  # training changes the weights, not always visibly (see seq2seq.model.packed)
+        return super().train(mode)
+
+    def step_linears(self) -> DecoderLinears:
+        """The projections a decoding step runs: with prepacked weights where possible (seq2seq.model.packed),
+        the modules themselves otherwise."""
+        if can_pack(self):
+            try:
+                return packed.cached(self, self._packed_linears)
+            except RuntimeError:  # oneDNN refused: the modules will do
+                pass
+        layers = [cast(DecoderLayer, layer) for layer in self.layers]
+        return DecoderLinears(
+            [
+                StepLinears(
+                    layer.self_attn.in_proj,
+                    layer.self_attn.out_proj,
+                    plain_linear(*layer.cross_attn.query_weights()),
+                    layer.cross_attn.out_proj,
+                    layer.ffn,
+                )
+                for layer in layers
+            ],
+            self.output,
+        )
+
+    def _packed_linears(self) -> DecoderLinears:
+        def pack(linear: nn.Linear, relu: bool = False) -> Linear:
+            return packed_linear(linear.weight, linear.bias, relu)
+
+        def ffn(module: FeedForward) -> Linear:
+            relu = module.activation is F.relu
+            fc1, fc2 = pack(module.fc1, relu), pack(module.fc2)
+            if relu:
+                return lambda x: fc2(fc1(x))
+            return lambda x: fc2(module.activation(fc1(x)))
+
+        layers = [cast(DecoderLayer, layer) for layer in self.layers]
+        return DecoderLinears(
+            [
+                StepLinears(
+                    pack(layer.self_attn.in_proj),
+                    pack(layer.self_attn.out_proj),
+                    packed_linear(*layer.cross_attn.query_weights()),
+                    pack(layer.cross_attn.out_proj),
+                    ffn(layer.ffn),
+                )
+                for layer in layers
+            ],
+            pack(self.output),
+        )
 
 
 class Seq2SeqTransformer(nn.Module):
@@ -125,16 +198,38 @@ class Seq2SeqTransformer(nn.Module):
         memory = self.encoder(src, src_pad_mask)
         return self.decoder(tgt_in, memory, attention_mask(src_pad_mask), select)
 
+    @torch.no_grad()
+    def cross_attention(self, src: Tensor, src_pad_mask: Tensor, tgt_in: Tensor) -> Tensor:
+        """Teacher-forced cross-attention weights (B, T, L, H, S) of target inputs (B, T), BOS first.
+
+        Row t is the attention while predicting target token t, as the incremental
+        API records it step by step (`DecoderCache.attention`).
+        """
+        weights: list[Tensor] = []
+        self.decoder(tgt_in, self.encoder(src, src_pad_mask), attention_mask(src_pad_mask), None, weights)
+        return torch.stack(weights, dim=1).permute(0, 3, 1, 2, 4)  # (B, L, H, T, S) -> (B, T, L, H, S)
+
     # The incremental API used by search.
 
     def encode(self, src: Tensor, src_pad_mask: Tensor) -> Tensor:
-        return self.encoder(src, src_pad_mask)  # (B, S, D)
+        """The encoder output (B, S, D), computed at the real positions only (zeros at padding)."""
+        return self.encoder(src, src_pad_mask, skip_padding=True)
 
     def init_cache(self, memory: Tensor, src_pad_mask: Tensor) -> DecoderCache:
-        """Project the encoder output to each layer's cross-attention keys/values, once."""
-        decoder_layers = [cast(DecoderLayer, layer) for layer in self.decoder.layers]
-        layers = [LayerCache(*layer.cross_attn.project_memory(memory)) for layer in decoder_layers]
-        return DecoderCache(layers, attention_mask(src_pad_mask))
+        """Project the encoder output (B, S, D) to every layer's cross-attention keys/values, once.
+
+        One matmul for all layers (their W_K, W_V stacked) instead of one per layer.
+        """
+        attention = [cast(DecoderLayer, layer).cross_attn for layer in self.decoder.layers]
+        weights, biases = zip(*(a.memory_weights() for a in attention))
+        packing = Packing.of(src_pad_mask)  # project the real positions only
+        real = memory if packing is None else packing.pack(memory)
+        kv = F.linear(real, torch.cat(weights), torch.cat(biases))  # (B, S, L * 2D) or (n, L * 2D)
+        kv = kv if packing is None else packing.unpack(kv)
+        B, S, _ = memory.shape
+        H = attention[0].n_heads
+        cross = kv.view(B, S, len(attention), 2, H, -1).permute(2, 3, 0, 4, 1, 5).contiguous()  # (L, 2, B, H, S, Dh)
+        return DecoderCache(cross, attention_mask(src_pad_mask), self.decoder.step_linears())
 
     def decode_step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
         """Logits (B, V) for the next position, given the last tokens (B, 1); advances `cache`."""

@@ -50,6 +50,7 @@ DECODE_OPTIONS = (
 )
 """The decode settings a request may change. The rest (batch sizes, input truncation, max_len) are the server's."""
 OPTIONS = (*DECODE_OPTIONS, "scores")
+FIELDS = ("text", "prefix", "options")
 
 
 class Rejected(Exception):
@@ -65,6 +66,7 @@ class TranslateRequest:
     lines: list[str]
     settings: DecodeConfig
     scores: bool  # add each hypothesis' score to the answer
+    prefixes: list[str] | None = None  # target prefixes, one per line ("" for none)
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -102,7 +104,7 @@ class _Service:
         parsed = self.parse(body)
         tokens = sum(self.engine.source_lengths(parsed.lines))
         try:
-            results = await self.batcher.translate(parsed.lines, parsed.settings, tokens)
+            results = await self.batcher.translate(parsed.lines, parsed.settings, tokens, parsed.prefixes)
         except Busy as e:
             raise Rejected(503, f"server busy: {e}") from None
         nbest = parsed.settings.nbest
@@ -133,23 +135,26 @@ class _Service:
         if not isinstance(raw, dict):
             raise Rejected(400, 'the body must be a JSON object with a "text" list')
         for key in raw:
-            if key not in ("text", "options"):
-                raise Rejected(400, f"unknown field {key!r} (fields: text, options)")
+            if key not in FIELDS:
+                raise Rejected(400, f"unknown field {key!r} (fields: {', '.join(FIELDS)})")
         lines = self._lines(raw.get("text"))
+        prefixes = self._lines(raw["prefix"], "prefix") if "prefix" in raw else None
+        if prefixes is not None and len(prefixes) != len(lines):
+            raise Rejected(400, f'"prefix" has {len(prefixes)} items for {len(lines)} lines of "text"; give one each')
         settings, scores = self._options(raw.get("options", {}))
-        return TranslateRequest(lines, settings, scores)
+        return TranslateRequest(lines, settings, scores, prefixes)
 
-    def _lines(self, text: Any) -> list[str]:
+    def _lines(self, text: Any, name: str = "text") -> list[str]:
         o = self.options
         if not isinstance(text, list) or not all(isinstance(line, str) for line in text):
-            raise Rejected(400, '"text" must be a list of strings, one sentence each')
+            raise Rejected(400, f'"{name}" must be a list of strings, one sentence each')
         if len(text) > o.max_lines:
             raise Rejected(413, f"{len(text)} lines in one request; the limit is {o.max_lines}")
         for i, line in enumerate(text):
             if len(line) > o.max_chars:
-                raise Rejected(413, f"text[{i}] has {len(line)} characters; the limit is {o.max_chars}")
+                raise Rejected(413, f"{name}[{i}] has {len(line)} characters; the limit is {o.max_chars}")
             if "\n" in line or "\r" in line:
-                raise Rejected(400, f"text[{i}] contains a line break; send one sentence per list item")
+                raise Rejected(400, f"{name}[{i}] contains a line break; send one sentence per list item")
         return text
 
     def _options(self, raw: Any) -> tuple[DecodeConfig, bool]:

@@ -11,6 +11,7 @@ ask for other settings wait for a batch of their own: settings are never mixed.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import deque
@@ -35,6 +36,7 @@ class _Job:
     tokens: int
     arrived: float  # event-loop time
     result: asyncio.Future[list[Translation]]
+    prefixes: list[str] | None = None  # one per line ("" for none), or None
 
 
 class Batcher:
@@ -68,12 +70,15 @@ class Batcher:
         self._waiting.clear()
         await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)
 
-    async def translate(self, lines: list[str], settings: DecodeConfig, tokens: int) -> list[Translation]:
-        """Queue `lines` (`tokens` source subwords in all) and wait for their translations, in order."""
+    async def translate(
+        self, lines: list[str], settings: DecodeConfig, tokens: int, prefixes: list[str] | None = None
+    ) -> list[Translation]:
+        """Queue `lines` (`tokens` source subwords in all; target `prefixes`, one per line, if any)
+        and wait for their translations, in order."""
         if len(self._waiting) >= self.max_queue:
             raise Busy(f"{len(self._waiting)} requests are waiting; retry later")
         loop = asyncio.get_running_loop()
-        job = _Job(lines, settings, tokens, loop.time(), loop.create_future())
+        job = _Job(lines, settings, tokens, loop.time(), loop.create_future(), prefixes)
         self._waiting.append(job)
         self._arrived.set()
         self.in_flight += 1
@@ -126,8 +131,11 @@ class Batcher:
         loop = asyncio.get_running_loop()
         self.batches += 1
         started = time.perf_counter()
+        call = functools.partial(self.engine.translate, lines, batch[0].settings)
+        if any(job.prefixes for job in batch):  # requests with and without prefixes share a batch
+            call = functools.partial(call, [p for job in batch for p in job.prefixes or [""] * len(job.lines)])
         try:
-            results = await loop.run_in_executor(self._executor, self.engine.translate, lines, batch[0].settings)
+            results = await loop.run_in_executor(self._executor, call)
             log.debug(
                 "batch %d: %d requests, %d lines, %.1f ms",
                 *(self.batches, len(batch), len(lines), (time.perf_counter() - started) * 1000),

@@ -27,8 +27,14 @@ class Engine(Protocol):
         """Source subwords of each line (EOS included): what a batch's token budget counts."""
         ...
 
-    def translate(self, lines: Sequence[str], settings: DecodeConfig) -> list[Translation]:
-        """Translations in input order; called from one worker thread, never from the event loop."""
+    def translate(
+        self, lines: Sequence[str], settings: DecodeConfig, prefixes: Sequence[str] | None = None
+    ) -> list[Translation]:
+        """Translations in input order; called from one worker thread, never from the event loop.
+
+        `prefixes` (one per line, "" for none) start the translations; the batcher passes
+        them only when a request has some, so an engine without prefixes may leave them out.
+        """
         ...
 
     def describe(self) -> dict[str, Any]:
@@ -52,9 +58,12 @@ class TorchEngine:
     def source_lengths(self, lines: Sequence[str]) -> list[int]:
         return [len(ids) + 1 for ids in self._translator.tokenizer.encode_src([line.strip() for line in lines])]
 
-    def translate(self, lines: Sequence[str], settings: DecodeConfig) -> list[Translation]:
+    def translate(
+        self, lines: Sequence[str], settings: DecodeConfig, prefixes: Sequence[str] | None = None
+    ) -> list[Translation]:
         t = self._translator
-        return Translator(t.model, t.tokenizer, settings, t.device, t.data, t.search_fn).translate_full(lines)
+        translator = Translator(t.model, t.tokenizer, settings, t.device, t.data, t.search_fn)
+        return translator.translate_full(lines, prefixes=prefixes)
 
     def describe(self) -> dict[str, Any]:
         t = self._translator

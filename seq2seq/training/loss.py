@@ -30,7 +30,8 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         nll = log_p.gather(1, target[:, None]).squeeze(1).neg_()
         loss = (1.0 - epsilon) * nll - epsilon * log_p.mean(dim=-1)
         grad = None
-        if ctx.needs_input_grad[0]:  # softmax minus the target's share, in the logits' dtype, in log_p's memory if it can
+        if ctx.needs_input_grad[0]:
+            # softmax minus the target's share, in the logits' dtype, in log_p's memory when it can
             grad = torch.exp(log_p, out=log_p if logits.dtype == torch.float32 else torch.empty_like(logits))
             grad.scatter_add_(1, target[:, None], grad.new_full((target.shape[0], 1), -(1.0 - epsilon)))
         ctx.save_for_backward(grad)

@@ -1,0 +1,79 @@
+"""What `seq2seq translate` reads: plain lines, JSONL records with a target prefix, or lines with a prefix file.
+
+Every input line is one record and gives one output line, whatever its form.
+A record that cannot be read, or a prefix file whose lines do not match the
+input's, stops with one line naming the file and line.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from seq2seq.errors import DataError
+
+FIELDS = ("text", "prefix")
+
+
+@dataclass(frozen=True)
+class Record:
+    text: str
+    prefix: str = ""  # "": translate freely
+
+
+def plain(lines: Iterable[str]) -> Iterator[Record]:
+    return (Record(line) for line in lines)
+
+
+def jsonl(lines: Iterable[str], name: str) -> Iterator[Record]:
+    """Records from lines like {"text": "...", "prefix": "..."} ("prefix" optional; a blank line is an empty text)."""
+    for number, line in enumerate(lines, start=1):
+        yield parse_record(line, f"{name}:{number}")
+
+
+def parse_record(line: str, where: str) -> Record:
+    if not line.strip():
+        return Record("")
+    try:
+        raw = json.loads(line)
+    except (json.JSONDecodeError, RecursionError):
+        raise DataError(
+            f'{where}: not JSON; each line must be an object like {{"text": "...", "prefix": "..."}}'
+        ) from None
+    if not isinstance(raw, dict):
+        raise DataError(f'{where}: each line must be a JSON object with a "text" string')
+    for key in raw:
+        if key not in FIELDS:
+            raise DataError(f"{where}: unknown field {key!r} (fields: {', '.join(FIELDS)})")
+    text, prefix = raw.get("text"), raw.get("prefix", "")
+    for field, value in (("text", text), ("prefix", prefix)):
+        if not isinstance(value, str):
+            raise DataError(f'{where}: "{field}" must be a string')
+        if "\n" in value or "\r" in value:
+            raise DataError(f'{where}: "{field}" contains a line break; one sentence per line')
+    assert isinstance(text, str) and isinstance(prefix, str)
+    return Record(text, prefix)
+
+
+def with_prefixes(lines: Iterable[str], prefixes: Sequence[str], prefix_file: str, name: str) -> Iterator[Record]:
+    """Each line with the prefix of the same line number; a prefix file of another length is refused
+    (lines read before the mismatch shows are yielded first, as for any unreadable input)."""
+    count = 0
+    for count, line in enumerate(lines, start=1):
+        if count > len(prefixes):
+            raise misaligned(prefix_file, len(prefixes), name, "more")
+        yield Record(line, prefixes[count - 1])
+    if count != len(prefixes):
+        raise misaligned(prefix_file, len(prefixes), name, str(count))
+
+
+def misaligned(prefix_file: str, prefixes: int, name: str, lines: str) -> DataError:
+    return DataError(f"misaligned --prefix-file: {prefix_file} has {prefixes} lines but {name} has {lines}")
+
+
+def count_lines(path: str | Path) -> int:
+    """Lines as the input reader splits them (on newline bytes only)."""
+    with open(path, "rb") as f:
+        return sum(1 for _ in f)

@@ -1,0 +1,100 @@
+"""The decoder's linear layers as a decoding step runs them: with weights prepacked by oneDNN on CPU.
+
+A decoding step multiplies a few rows (one per hypothesis) by every weight
+matrix. At that size PyTorch's default CPU GEMM spends about as long
+rearranging the weight for each call as multiplying; oneDNN can keep the
+weight in its own blocked layout, rearranged once, and also applies ReLU in
+the same call. On the 3+3-layer d256 model this makes greedy decoding about
+a quarter faster (`scripts/bench_decode.py`).
+
+The packed weights are copies, kept per decoder between batches. They are
+rebuilt when a parameter is replaced or changed in place (which bumps its
+version), and dropped whenever the decoder is put in training mode: fused
+optimizers update parameters without bumping their versions, and training
+always runs in training mode. Packing needs a CPU float32 model in eval mode
+and no autograd; anywhere else (and if oneDNN is missing or refuses) the step
+uses the modules themselves.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+Linear = Callable[[Tensor], Tensor]
+"""x (..., in) -> (..., out)."""
+
+ROWS_HINT = 64  # the row count oneDNN picks the weight layout for; any row count works with it
+
+
+@dataclass(frozen=True)
+class StepLinears:
+    """One decoder layer's projections in a decoding step."""
+
+    self_in: Linear  # x -> [Q; K; V] of self-attention, (..., 3D)
+    self_out: Linear  # W_O of self-attention
+    cross_query: Linear  # x -> Q of cross-attention
+    cross_out: Linear  # W_O of cross-attention
+    ffn: Linear  # the feed-forward network, fc2(activation(fc1(x)))
+
+
+@dataclass(frozen=True)
+class DecoderLinears:
+    layers: list[StepLinears]
+    output: Linear  # x -> logits (..., V)
+
+
+def plain_linear(weight: Tensor, bias: Tensor | None) -> Linear:
+    return functools.partial(F.linear, weight=weight, bias=bias)
+
+
+def packed_linear(weight: Tensor, bias: Tensor | None, relu: bool = False) -> Linear:
+    """`F.linear` (then ReLU) with the weight (out, in) rearranged once for oneDNN."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ROWS_HINT)
+    bias = None if bias is None else bias.detach()
+    attr = "relu" if relu else "none"
+
+    def linear(x: Tensor) -> Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, attr, [], "")
+
+    return linear
+
+
+def can_pack(module: nn.Module) -> bool:
+    """Whether `module`'s decoding may use packed weights now (CPU float32, eval, no autograd, oneDNN)."""
+    weight = next(module.parameters())
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and not module.training
+        and not torch.is_grad_enabled()
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+_packed: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[tuple[int, int], ...], DecoderLinears]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def forget(module: nn.Module) -> None:
+    """Drop `module`'s packed linears (its parameters may change from now on)."""
+    _packed.pop(module, None)
+
+
+def cached(module: nn.Module, build: Callable[[], DecoderLinears]) -> DecoderLinears:
+    """`build()`'s packed linears of `module`, reused while none of its parameters has changed."""
+    key = tuple((p.data_ptr(), p._version) for p in module.parameters())
+    hit = _packed.get(module)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    linears = build()
+    _packed[module] = (key, linears)
+    return linears
