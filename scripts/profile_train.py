@@ -43,11 +43,11 @@ MODELS = {
 }
 # operator-name fragments -> bucket, first match wins (names as torch.profiler reports them)
 BUCKETS = [
+    ("loss", ("logsumexp", "log_softmax", "gather", "scatter", "_SmoothedCrossEntropy", "SymmetricKL")),
     ("attention", ("scaled_dot_product", "_flash_attention", "_efficient_attention", "softmax", "baddbmm", "bmm")),
     ("matmul", ("addmm", "mm", "matmul", "linear")),
-    ("dropout", ("dropout", "bernoulli", "native_dropout", "rand", "uniform_")),
+    ("dropout", ("dropout", "bernoulli", "native_dropout", "rand", "uniform_")),  # random_: seq2seq.model.dropout
     ("normalisation", ("layer_norm", "rms_norm")),
-    ("loss", ("logsumexp", "log_softmax", "gather", "scatter", "_SmoothedCrossEntropy", "SymmetricKL")),
     ("optimizer", ("adam", "_fused", "foreach", "clip_grad", "norm", "zero_")),
     ("embedding", ("embedding",)),
 ]

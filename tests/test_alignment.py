@@ -86,9 +86,12 @@ def checkpoint(trained_run: Path) -> Path:
 
 @pytest.mark.parametrize("strategy", ["greedy", "beam"])
 def test_the_reversal_model_aligns_each_word_with_its_mirror_image(checkpoint: Path, strategy: str) -> None:
-    """Measured: 49 of 50 sentences exactly mirrored with the last layer (layer 1 alone: 5)."""
+    """Greedy, measured over training seeds 1-3: 0.98, 0.80, 0.82 of 50 sentences exactly mirrored with
+    the last layer, and 0.84, 0.90, 0.86 after a change that only rounded differently (layer 1 alone: 0.10).
+    Which sentences come out exactly mirrored depends on the training run, so the bound leaves room below
+    the lowest share seen; a model that did not attend to the mirrored word would score near 0."""
     translator = Translator.from_checkpoint(checkpoint, strategy=strategy)
-    assert diagonal_share(translator, distinct_word_sentences(50, seed=5), mirrored=True) >= 0.9
+    assert diagonal_share(translator, distinct_word_sentences(50, seed=5), mirrored=True) >= 0.7
 
 
 @pytest.mark.slow

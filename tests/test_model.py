@@ -176,12 +176,13 @@ def test_projecting_selected_positions_equals_slicing_all_logits(name: str) -> N
     torch.testing.assert_close(model(src, mask, tgt, keep), model(src, mask, tgt)[keep], **CLOSE)
 
 
-# Attention kernels: CPU training asks for PyTorch's math kernel instead of its flash one.
+# Attention kernels: CPU training in bf16 asks for PyTorch's math kernel instead of its flash one.
 
 
-def test_math_kernel_for_cpu_training_and_pytorchs_choice_elsewhere() -> None:
-    assert training_kernel(torch.device("cpu")) == SDPBackend.MATH
-    assert training_kernel(torch.device("cuda")) is None
+def test_math_kernel_for_bf16_cpu_training_and_pytorchs_choice_elsewhere() -> None:
+    assert training_kernel(torch.device("cpu"), "bf16") == SDPBackend.MATH
+    assert training_kernel(torch.device("cpu"), "fp32") is None
+    assert training_kernel(torch.device("cuda"), "bf16") is None
 
 
 @pytest.mark.parametrize("name", ["pre", "relative", "rope"])

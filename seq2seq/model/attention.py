@@ -22,16 +22,18 @@ from seq2seq.model.packed import DecoderLinears, StepLinears
 from seq2seq.model.positions import RelativePositions, RotaryPositions
 
 
-def training_kernel(device: torch.device) -> SDPBackend | None:
-    """The attention kernel for training updates on `device`; None leaves the choice to PyTorch.
+def training_kernel(device: torch.device, precision: str = "fp32") -> SDPBackend | None:
+    """The attention kernel for training updates on `device` in `precision`; None leaves the choice to PyTorch.
 
-    On CPU PyTorch picks its flash kernel whenever attention dropout is off, but
-    for sentence-length batches its math kernel (matmul, softmax, matmul)
-    trains faster (`scripts/bench_train.py --compare attention`). Decoding is
-    not faster with it (`scripts/bench_decode.py --compare attention`), so
-    decoding keeps PyTorch's choice, as does CUDA, where the fused kernels win.
+    Without attention dropout PyTorch picks its flash kernel on CPU. In fp32
+    that is the faster one for training (1.16x tokens/s over the math kernel's
+    whole update on an AVX2 CPU, docs/results.md); in bf16 autocast its math
+    kernel (matmul, softmax, matmul) trained 1.31x faster on an AVX512-BF16 CPU
+    (`scripts/bench_train.py --compare attention`), so bf16 asks for math.
+    Decoding keeps PyTorch's choice (`scripts/bench_decode.py --compare
+    attention`), as does CUDA, where the fused kernels win.
     """
-    return SDPBackend.MATH if device.type == "cpu" else None
+    return SDPBackend.MATH if device.type == "cpu" and precision == "bf16" else None
 
 
 def kernel_scope(kernel: SDPBackend | None) -> contextlib.AbstractContextManager[None]:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from seq2seq.model.attention import LayerCache, MultiHeadAttention, Packing
+from seq2seq.model.dropout import Dropout, add_dropout
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class FeedForward(nn.Module):
         self.fc1 = nn.Linear(d_model, d_ff)
         self.fc2 = nn.Linear(d_ff, d_model)
         self.activation = F.gelu if activation == "gelu" else F.relu
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.fc2(self.dropout(self.activation(self.fc1(x))))
@@ -57,13 +58,14 @@ class Residual(nn.Module):
     def __init__(self, d_model: int, dropout: float, norm_first: bool, norm: nn.Module | None = None) -> None:
         super().__init__()
         self.norm = norm if norm is not None else nn.LayerNorm(d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.norm_first = norm_first
 
     def forward(self, x: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
+        p, training = self.dropout.p, self.training
         if self.norm_first:
-            return x + self.dropout(sublayer(self.norm(x)))
-        return self.norm(x + self.dropout(sublayer(x)))
+            return add_dropout(x, sublayer(self.norm(x)), p, training)
+        return self.norm(add_dropout(x, sublayer(x), p, training))
 
 
 class EncoderLayer(nn.Module):

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from seq2seq.config import ModelConfig
 from seq2seq.model import packed
 from seq2seq.model.attention import DecoderCache, Packing, attention_mask
+from seq2seq.model.dropout import Dropout
 from seq2seq.model.layers import DecoderLayer, EncoderLayer, FeedForward, LayerOptions
 from seq2seq.model.packed import DecoderLinears, Linear, StepLinears, can_pack, packed_linear, plain_linear
 from seq2seq.vocab import PAD
@@ -54,7 +55,7 @@ class Embedding(nn.Module):
             nn.init.normal_(self.positions.weight, std=d_model**-0.5)
         table = sinusoidal_table(max_positions, d_model) if positions == "sinusoidal" else None
         self.register_buffer("table", table, persistent=False)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, ids: Tensor, start: int = 0) -> Tensor:
         """ids: (B, L) at positions start .. start+L-1 -> (B, L, D)."""

@@ -2,8 +2,13 @@
 
 The loss is the largest elementwise job of a training step: it touches every
 (token, vocabulary) pair. Autograd through log_softmax, gather and mean makes
-about ten passes over that (N, V) array; the closed-form gradient
-softmax(z) - q, where q is the smoothed target distribution, needs three.
+about ten passes over that (N, V) array. Here the forward pass computes the
+gradient softmax(z) - q, where q is the smoothed target distribution, from
+the log-probabilities it has anyway (an exp in place and a scatter), and
+backward subtracts the smoothing and scales in one pass: about a third less
+time than before.
+(Blocks of rows that stay in cache were tried too: on a busy 2-core machine
+the many small parallel operations cost more than the memory traffic saved.)
 """
 
 from __future__ import annotations
@@ -20,23 +25,26 @@ from seq2seq.vocab import PAD
 class _SmoothedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: Tensor, target: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
-        """logits: (N, V) float; target: (N,). Returns per-token (smoothed loss, nll), each (N,)."""
-        lse = torch.logsumexp(logits, dim=-1)  # (N,)
-        nll = lse - logits.gather(1, target[:, None]).squeeze(1)
-        smooth = lse - logits.mean(dim=-1)  # -mean_v log p_v
-        ctx.save_for_backward(logits, target, lse)
-        ctx.epsilon = epsilon
+        """logits: (N, V); target: (N,). Returns per-token (smoothed loss, nll), each (N,) float32."""
+        log_p = torch.log_softmax(logits.float(), dim=-1)  # (N, V)
+        nll = log_p.gather(1, target[:, None]).squeeze(1).neg_()
+        loss = (1.0 - epsilon) * nll - epsilon * log_p.mean(dim=-1)
+        grad = None
+        if ctx.needs_input_grad[0]:
+            # softmax minus the target's share, in the logits' dtype, in log_p's memory when it can
+            grad = torch.exp(log_p, out=log_p if logits.dtype == torch.float32 else torch.empty_like(logits))
+            grad.scatter_add_(1, target[:, None], grad.new_full((target.shape[0], 1), -(1.0 - epsilon)))
+        ctx.save_for_backward(grad)
+        ctx.uniform = epsilon / logits.shape[1]  # the smoothing's share of every token
         ctx.mark_non_differentiable(nll)
-        return (1.0 - epsilon) * nll + epsilon * smooth, nll
+        return loss, nll
 
     @staticmethod
     def backward(ctx: Any, grad_loss: Tensor, grad_nll: Tensor) -> tuple[Tensor, None, None]:
-        logits, target, lse = ctx.saved_tensors
-        eps = ctx.epsilon
-        grad = torch.exp(logits - lse[:, None])  # softmax, (N, V)
-        grad.sub_(eps / logits.shape[1])
-        grad.scatter_add_(1, target[:, None], torch.full_like(lse[:, None], -(1.0 - eps)))
-        return grad.mul_(grad_loss[:, None]), None, None
+        """(softmax - q) * grad_loss in one pass, in place: the saved gradient is used once."""
+        (grad,) = ctx.saved_tensors
+        scale = grad_loss[:, None].to(grad.dtype)
+        return torch.addcmul(scale * -ctx.uniform, grad, scale, out=grad), None, None
 
 
 def label_smoothed_loss(logits: Tensor, target: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
@@ -47,7 +55,7 @@ def label_smoothed_loss(logits: Tensor, target: Tensor, epsilon: float) -> tuple
     epsilon uniformly over the vocabulary. Sums, not means, so the caller can
     normalise by the tokens of a whole (accumulated, distributed) update.
     """
-    loss, nll = _SmoothedCrossEntropy.apply(logits.float(), target, epsilon)
+    loss, nll = _SmoothedCrossEntropy.apply(logits, target, epsilon)
     return loss.sum(), nll.sum().detach()
 
 

@@ -64,8 +64,8 @@ class UpdateStep:
         precision: str,
         ddp: DistributedDataParallel | None = None,
     ) -> UpdateStep:
-        """The update `train.*` describes, on PyTorch's best attention kernel for training on `device`."""
-        kernel = training_kernel(device)
+        """The update `train.*` describes, on the best attention kernel for training on `device` in `precision`."""
+        kernel = training_kernel(device, precision)
         return cls(
             model,
             optimizer,
