@@ -10,7 +10,9 @@ CPU (bf16 with native bf16 instructions, else fp32): flash, which `scaled_dot_pr
 picks by itself when attention dropout is 0, and math (matmul, softmax,
 matmul), which the trainer asks for on CPU (`seq2seq.model.training_kernel`);
 `--compare rdrop` sets plain updates against R-Drop's (`train.rdrop_alpha`),
-also in the `auto` precision.
+also in the `auto` precision; `--compare compile` sets the eager model against
+`torch.compile(model, dynamic=True)` (batches differ in shape), and prints the
+compiled model's first update (the compilation) and its number of graphs.
 Models:
 
 - quickstart: configs/quickstart.yaml (3+3 layers, d_model 256, d_ff 1024)
@@ -59,6 +61,7 @@ sys.path.insert(0, str(ROOT))
 from seq2seq.config import ExperimentConfig, load_config  # noqa: E402
 from seq2seq.data import Batch, read_parallel  # noqa: E402
 from seq2seq.device import resolve_precision  # noqa: E402
+from seq2seq.model import training_kernel  # noqa: E402
 from seq2seq.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
 from seq2seq.training.trainer import Trainer  # noqa: E402
 from seq2seq.training.update import UpdateStep  # noqa: E402
@@ -86,11 +89,16 @@ MODELS = {
     "rnn": ["model.arch=rnn", "model.rnn.attention=none"],
     "rnn_attention": ["model.arch=rnn", "model.rnn.attention=general"],
 }
-# setting name -> (precision, attention kernel (None: PyTorch's choice), train.rdrop_alpha)
-SETTINGS: dict[str, dict[str, tuple[str, SDPBackend | None, float]]] = {
-    "precision": {"fp32": ("fp32", SDPBackend.MATH, 0.0), "bf16": ("bf16", SDPBackend.MATH, 0.0)},
-    "attention": {"flash": ("auto", SDPBackend.FLASH_ATTENTION, 0.0), "math": ("auto", SDPBackend.MATH, 0.0)},
-    "rdrop": {"plain": ("auto", SDPBackend.MATH, 0.0), "rdrop": ("auto", SDPBackend.MATH, 5.0)},
+TRAINERS = "trainer's"  # the attention kernel the trainer picks (seq2seq.model.training_kernel)
+# setting name -> (precision, attention kernel (None: PyTorch's choice), train.rdrop_alpha, torch.compile the model)
+SETTINGS: dict[str, dict[str, tuple[str, SDPBackend | str | None, float, bool]]] = {
+    "precision": {"fp32": ("fp32", SDPBackend.MATH, 0.0, False), "bf16": ("bf16", SDPBackend.MATH, 0.0, False)},
+    "attention": {
+        "flash": ("auto", SDPBackend.FLASH_ATTENTION, 0.0, False),
+        "math": ("auto", SDPBackend.MATH, 0.0, False),
+    },
+    "rdrop": {"plain": ("auto", TRAINERS, 0.0, False), "rdrop": ("auto", TRAINERS, 5.0, False)},
+    "compile": {"eager": ("auto", TRAINERS, 0.0, False), "compiled": ("auto", TRAINERS, 0.0, True)},
 }
 
 
@@ -174,8 +182,10 @@ def _bench(trainer: Trainer, name: str, args: argparse.Namespace) -> None:
     print(f"\n{name}: {n_params:.1f}M parameters, batches of {mean_tokens:.0f} target tokens on average")
     updates = {s: _update_step(trainer, *settings[s]) for s in settings}
     steps = itertools.count(1)
-    for s in settings:  # warm-up: kernel selection, allocator
+    for s in settings:  # warm-up: kernel selection, allocator, compilation
+        start = time.perf_counter()
         _rate(updates[s], trainer, steps, batches[:1])
+        print(f"  first update, {s}: {time.perf_counter() - start:.1f} s")
     rates: dict[str, list[float]] = {s: [] for s in settings}
     ratios = []
     for r in range(args.rounds):
@@ -195,6 +205,11 @@ def _bench(trainer: Trainer, name: str, args: argparse.Namespace) -> None:
         f"  median: {medians}; {second}/{first} ratio median {statistics.median(ratios):.2f} "
         f"(min {min(ratios):.2f}, max {max(ratios):.2f})"
     )
+    if args.compare == "compile":
+        from torch._dynamo.utils import counters
+
+        graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+        print(f"  compiled graphs: {graphs}, graph breaks: {breaks}")
 
 
 def _bench_matmul(rounds: int) -> None:
@@ -212,10 +227,18 @@ def _bench_matmul(rounds: int) -> None:
     print(f"matmul 4096x512 @ 512x2048: fp32 {fp32:.0f} GFLOP/s, bf16 {bf16:.0f} GFLOP/s ({bf16 / fp32:.2f}x)")
 
 
-def _update_step(trainer: Trainer, precision: str, kernel: SDPBackend | None, rdrop: float) -> UpdateStep:
+def _update_step(
+    trainer: Trainer, precision: str, kernel: SDPBackend | str | None, rdrop: float, compiled: bool
+) -> UpdateStep:
     """The trainer's update (same model and optimizer) with one setting changed; `auto` is this CPU's choice."""
     precision = resolve_precision(precision, torch.device("cpu"))
-    return dataclasses.replace(trainer.update, precision=precision, attention_kernel=kernel, rdrop_alpha=rdrop)
+    if kernel == TRAINERS:
+        kernel = training_kernel(torch.device("cpu"), precision)
+    assert not isinstance(kernel, str)
+    model = torch.compile(trainer.model, dynamic=True) if compiled else trainer.model  # the same parameters
+    return dataclasses.replace(
+        trainer.update, model=model, precision=precision, attention_kernel=kernel, rdrop_alpha=rdrop
+    )
 
 
 def _rate(update: UpdateStep, trainer: Trainer, steps: Iterator[int], batches: list[Batch]) -> float:
