@@ -25,11 +25,12 @@ from seq2seq.model.positions import RelativePositions, RotaryPositions
 def training_kernel(device: torch.device, precision: str = "fp32") -> SDPBackend | None:
     """The attention kernel for training updates on `device` in `precision`; None leaves the choice to PyTorch.
 
-    Without attention dropout PyTorch picks its flash kernel on CPU. In fp32
-    that is the faster one for training (1.16x tokens/s over the math kernel's
-    whole update on an AVX2 CPU, docs/results.md); in bf16 autocast its math
-    kernel (matmul, softmax, matmul) trained 1.31x faster on an AVX512-BF16 CPU
-    (`scripts/bench_train.py --compare attention`), so bf16 asks for math.
+    Without attention dropout PyTorch picks its flash kernel on CPU. In bf16
+    autocast its math kernel (matmul, softmax, matmul) trained 1.31x faster on
+    an AVX512-BF16 CPU, so bf16 asks for math. In fp32 on an AVX2 CPU the two
+    tie (math/flash 0.96 for the quickstart model, 0.98 for 6+6 d512, with
+    rounds from 0.73 to 1.21; `scripts/bench_train.py --compare attention`),
+    so fp32 keeps PyTorch's choice.
     Decoding keeps PyTorch's choice (`scripts/bench_decode.py --compare
     attention`), as does CUDA, where the fused kernels win.
     """
