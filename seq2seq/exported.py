@@ -85,7 +85,8 @@ class CTranslate2Translator(TextTranslator):
         self._max_positions = config.model.max_positions
         self.token_scores = token_scores
         self.seed = config.decode.seed  # what the engine's generator was seeded with
-        self._warn_unhonoured()
+        for message in self._unhonoured():
+            log.warning(message)
 
     @classmethod
     def from_directory(
@@ -126,25 +127,28 @@ class CTranslate2Translator(TextTranslator):
         return {"engine": "ctranslate2", "device": e.device, "compute_type": e.compute_type, "parameters": None}
 
     def with_decode(self: T, **changes: Any) -> T:
+        """Warns about a setting it cannot honour only when the change brings it (a server asks per request)."""
         translator = super().with_decode(**changes)
-        translator._warn_unhonoured()
+        known = self._unhonoured()
+        for message in translator._unhonoured():
+            if message not in known:
+                log.warning(message)
         return translator
 
-    def _warn_unhonoured(self) -> None:
-        cfg = self.decode
+    def _unhonoured(self) -> list[str]:
+        """One line per decode setting that CTranslate2 cannot honour exactly."""
+        cfg, messages = self.decode, []
         if cfg.strategy == "beam" and cfg.length_penalty != 0:
-            log.warning(
-                "decode.length_penalty=%g: CTranslate2's beam prunes with length**alpha, not GNMT's "
-                "((5 + length) / 6)**alpha, so beam results can differ from the PyTorch path's",
-                cfg.length_penalty,
+            messages.append(
+                f"decode.length_penalty={cfg.length_penalty:g}: CTranslate2's beam prunes with length**alpha, not "
+                "GNMT's ((5 + length) / 6)**alpha, so beam results can differ from the PyTorch path's"
             )
         if cfg.strategy == "sample" and cfg.seed != self.seed:
-            log.warning(
-                "decode.seed=%d: CTranslate2's generator was seeded with %d when the model loaded and cannot be "
-                "reseeded; load the model again with this seed",
-                cfg.seed,
-                self.seed,
+            messages.append(
+                f"decode.seed={cfg.seed}: CTranslate2's generator was seeded with {self.seed} when the model loaded "
+                "and cannot be reseeded; load the model again with this seed"
             )
+        return messages
 
     def _search(self, sources: list[list[int]], prefixes: list[list[int]] | None) -> list[list[Hypothesis]]:
         cfg = self.decode
@@ -153,8 +157,9 @@ class CTranslate2Translator(TextTranslator):
         # makes one call per limit; greedy and sampling choose each token without looking ahead, so one
         # call up to the batch's largest limit, each hypothesis cut at its own, finds the same tokens.
         groups: dict[int, list[int]] = defaultdict(list)
+        longest = max(limits)
         for i, limit in enumerate(limits):
-            groups[limit if cfg.strategy == "beam" else max(limits)].append(i)
+            groups[limit if cfg.strategy == "beam" else longest].append(i)
         src = [self.tokenizer.src_pieces(seq[:-1]) for seq in sources]  # CTranslate2 appends EOS
         found: list[list[list[str]]] = [[] for _ in sources]  # pieces of each hypothesis, without EOS
         scores: list[list[float | None]] = [[] for _ in sources]  # None: to be scored again

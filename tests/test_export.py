@@ -233,3 +233,17 @@ def test_the_server_runs_an_exported_model(variants: dict[str, tuple[Path, Path]
     answers = [t.text for t in engine.translate(sources, settings)]
     assert answers == translator.with_decode(strategy="beam", beam_size=2, length_penalty=0.0).translate(sources)
     assert translator.decode.strategy == "greedy"  # a request's settings do not leak into the defaults
+
+
+def test_a_setting_that_cannot_be_honoured_is_said_once(
+    variants: dict[str, tuple[Path, Path]], caplog: pytest.LogCaptureFixture
+) -> None:
+    _, exported = variants["pre-learned-shared-relu"]
+    with caplog.at_level("WARNING", logger="seq2seq.exported"):
+        greedy = CTranslate2Translator.from_directory(exported, threads=1, strategy="greedy")
+        assert not caplog.records
+        beam = greedy.with_decode(strategy="beam", length_penalty=1.0)  # the change brings the penalty: said
+        assert [r.getMessage().split(":")[0] for r in caplog.records] == ["decode.length_penalty=1"]
+        beam.with_decode(beam_size=2)  # what a server does per request: nothing new to say
+        beam.with_decode(strategy="sample", seed=beam.seed + 1)  # a new seed cannot reach the engine
+        assert len(caplog.records) == 2 and caplog.records[1].getMessage().startswith("decode.seed=")

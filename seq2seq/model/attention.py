@@ -22,7 +22,7 @@ from seq2seq.model.packed import DecoderLinears, StepLinears
 from seq2seq.model.positions import RelativePositions, RotaryPositions
 
 
-def training_kernel(device: torch.device, precision: str = "fp32") -> SDPBackend | None:
+def training_kernel(device: torch.device, precision: str) -> SDPBackend | None:
     """The attention kernel for training updates on `device` in `precision`; None leaves the choice to PyTorch.
 
     Without attention dropout PyTorch picks its flash kernel on CPU. In bf16
