@@ -1,0 +1,110 @@
+"""Summarise finished runs into the markdown table of docs/lectures.md.
+
+    python scripts/lectures_table.py runs/lectures/* [--decode-seconds NAME=SECONDS ...]
+
+Reads each run directory as `seq2seq train` and `seq2seq evaluate > RUN/test_scores.txt`
+left it: `train.log` (parameters, updates, the training log's tokens/s,
+the best greedy val BLEU) and `test_scores.txt` (the
+evaluate output with the config's beam: sacreBLEU, chrF, and the lower-cased
+tokenized BLEU when the dataset's tokenized references are there), and
+`test_scores_greedy.txt` when there is one (the same with `decode.beam_size=1`,
+the decoding of published tutorial numbers). Decoding speed is
+not in a run directory: pass the wall time of each run's `evaluate` (1,000
+test sentences) as NAME=SECONDS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+PARAMS = re.compile(r"model: ([\d.]+)M parameters")
+TOKENS = re.compile(r"step (\d+): .* ([\d.]+) tokens/s")
+VALID = re.compile(r"step (\d+): valid .* bleu ([\d.]+) \(best")
+FINISHED = re.compile(r"training finished at step (\d+), epoch (\d+) \((.+)\)")
+SCORE = re.compile(r"^(BLEU|chrF|TER|BLEU \(lc\)|BLEU \(lc, Moses-tokenized\)) = ([\d.]+)")
+TOKENIZED = "BLEU (lc, Moses-tokenized)"
+TEST_SENTENCES = 1000  # test_2016_flickr
+
+
+@dataclass
+class Run:
+    name: str
+    params: float
+    updates: int
+    epochs: int
+    tokens_per_s: float
+    best_valid_bleu: float
+    scores: dict[str, float]
+    greedy: dict[str, float]
+
+
+def read_scores(path: Path) -> dict[str, float]:
+    """The scores `seq2seq evaluate` printed into `path` (none if there is no such file)."""
+    if not path.exists():
+        return {}
+    return {m.group(1): float(m.group(2)) for line in path.read_text().splitlines() if (m := SCORE.match(line))}
+
+
+def read_run(run_dir: Path) -> Run:
+    log = (run_dir / "train.log").read_text(encoding="utf-8")
+    params = PARAMS.search(log)
+    finished = FINISHED.findall(log)
+    if params is None or not finished:
+        raise SystemExit(f"{run_dir}: train.log has no finished training")
+    updates, epochs, _ = finished[-1]
+    rates = [float(rate) for _, rate in TOKENS.findall(log)]
+    valid = [float(bleu) for _, bleu in VALID.findall(log)]
+    scores = read_scores(run_dir / "test_scores.txt")
+    if not scores:
+        raise SystemExit(f"{run_dir}: no scores in test_scores.txt (seq2seq evaluate ... > RUN/test_scores.txt)")
+    return Run(
+        name=run_dir.name,
+        params=float(params.group(1)),
+        updates=int(updates),
+        epochs=int(epochs),
+        tokens_per_s=statistics.median(rates) if rates else float("nan"),
+        best_valid_bleu=max(valid, default=float("nan")),
+        scores=scores,
+        greedy=read_scores(run_dir / "test_scores_greedy.txt"),
+    )
+
+
+def score(scores: dict[str, float], name: str) -> str:
+    return f"{scores[name]:.2f}" if name in scores else "-"
+
+
+def table(runs: list[Run], decode_seconds: dict[str, float]) -> str:
+    rows = [
+        "| run | parameters | updates (epochs) | training tok/s | decoding sent/s | best val BLEU | "
+        "test sacreBLEU | chrF | test lc tok BLEU | same, greedy |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        seconds = decode_seconds.get(r.name)
+        speed = f"{TEST_SENTENCES / seconds:.0f}" if seconds else "-"
+        rows.append(
+            f"| {r.name} | {r.params:.1f}M | {r.updates} ({r.epochs}) | {r.tokens_per_s:.0f} | {speed} | "
+            f"{r.best_valid_bleu:.2f} | {score(r.scores, 'BLEU')} | {score(r.scores, 'chrF')} | "
+            f"{score(r.scores, TOKENIZED)} | {score(r.greedy, TOKENIZED)} |"
+        )
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", type=Path)
+    parser.add_argument("--decode-seconds", nargs="*", default=[], metavar="NAME=SECONDS")
+    args = parser.parse_args()
+    seconds = {}
+    for item in args.decode_seconds:
+        name, _, value = item.partition("=")
+        seconds[name] = float(value)
+    print(table([read_run(r) for r in args.runs], seconds))
+
+
+if __name__ == "__main__":
+    main()
