@@ -128,3 +128,33 @@ def test_profile_train_reports_bucket_shares(tmp_path: Path) -> None:
     out = run_script("profile_train.py", *args, "--length", "8", cwd=tmp_path).stdout
     shares = {line.split()[0]: float(line.split()[1].rstrip("%")) for line in out.splitlines() if line.endswith("%")}
     assert {"matmul", "rest"} <= set(shares) and sum(shares.values()) == pytest.approx(100, abs=0.5)
+
+
+def test_lectures_table_reads_a_run_and_its_scores(
+    trained_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from seq2seq.cli import main
+
+    run = tmp_path / "tiny"
+    run.mkdir()
+    (run / "train.log").write_text((trained_run / "train.log").read_text())
+    assert main(["evaluate", "-c", str(trained_run / "checkpoint_best.pt"), "--threads", "1"]) == 0
+    scores = capsys.readouterr().out
+    (run / "test_scores.txt").write_text(scores)
+    bleu, chrf = (line.split()[2] for line in scores.splitlines()[:2])
+
+    proc = run_script("lectures_table.py", str(run), "--decode-seconds", "tiny=20", cwd=tmp_path)
+    header, _, row = proc.stdout.splitlines()
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    columns = dict(zip([c.strip() for c in header.strip("|").split("|")], cells))
+    params = (trained_run / "train.log").read_text().split("model: ")[1].split("M parameters")[0]
+    assert columns["run"] == "tiny" and columns["parameters"] == f"{float(params):.1f}M"
+    assert columns["decoding sent/s"] == "50"  # 1,000 test sentences in 20 s
+    assert columns["test sacreBLEU"] == f"{float(bleu):.2f}" and columns["chrF"] == f"{float(chrf):.2f}"
+    assert columns["same, greedy"] == "-"  # no test_scores_greedy.txt
+
+    (run / "train.log").write_text("")  # a run that never finished training is named, not skipped
+    failed = subprocess.run(
+        [sys.executable, str(SCRIPTS / "lectures_table.py"), str(run)], capture_output=True, text=True
+    )
+    assert failed.returncode != 0 and f"{run}: train.log has no finished training" in failed.stderr
