@@ -79,7 +79,7 @@ def score(scores: dict[str, float], name: str) -> str:
 
 def table(runs: list[Run], decode_seconds: dict[str, float]) -> str:
     rows = [
-        "| run | parameters | updates (epochs) | training tok/s | decoding sent/s | best val BLEU | "
+        "| run | parameters | updates (in epoch) | training tok/s | decoding sent/s | best val BLEU | "
         "test sacreBLEU | chrF | test lc tok BLEU | same, greedy |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
