@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PARAMS = re.compile(r"model: ([\d.]+)M parameters")
-TOKENS = re.compile(r"step (\d+): .* ([\d.]+) tokens/s")
-VALID = re.compile(r"step (\d+): valid .* bleu ([\d.]+) \(best")
-FINISHED = re.compile(r"training finished at step (\d+), epoch (\d+) \((.+)\)")
-SCORE = re.compile(r"^(BLEU|chrF|TER|BLEU \(lc\)|BLEU \(lc, Moses-tokenized\)) = ([\d.]+)")
+TOKENS = re.compile(r"step \d+: .* ([\d.]+) tokens/s")
+VALID = re.compile(r"step \d+: valid .* bleu ([\d.]+) \(best")
+FINISHED = re.compile(r"training finished at step (\d+), epoch (\d+)")
+SCORE = re.compile(r"^(.+?) = ([\d.]+)")  # evaluate's lines: NAME = VALUE  (signature)
 TOKENIZED = "BLEU (lc, Moses-tokenized)"
 TEST_SENTENCES = 1000  # test_2016_flickr
 
@@ -55,9 +55,9 @@ def read_run(run_dir: Path) -> Run:
     finished = FINISHED.findall(log)
     if params is None or not finished:
         raise SystemExit(f"{run_dir}: train.log has no finished training")
-    updates, epochs, _ = finished[-1]
-    rates = [float(rate) for _, rate in TOKENS.findall(log)]
-    valid = [float(bleu) for _, bleu in VALID.findall(log)]
+    updates, epochs = finished[-1]
+    rates = [float(rate) for rate in TOKENS.findall(log)]
+    valid = [float(bleu) for bleu in VALID.findall(log)]
     scores = read_scores(run_dir / "test_scores.txt")
     if not scores:
         raise SystemExit(f"{run_dir}: no scores in test_scores.txt (seq2seq evaluate ... > RUN/test_scores.txt)")
