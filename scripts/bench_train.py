@@ -12,7 +12,13 @@ matmul), which the trainer asks for on CPU (`seq2seq.model.training_kernel`);
 `--compare rdrop` sets plain updates against R-Drop's (`train.rdrop_alpha`),
 also in the `auto` precision; `--compare compile` sets the eager model against
 `torch.compile(model, dynamic=True)` (batches differ in shape), and prints the
-compiled model's first update (the compilation) and its number of graphs.
+compiled model's first update (the compilation) and its number of graphs;
+`--compare batching` sets batches cut from pairs sorted by their longer side
+only against the trainer's, whose pairs of equal longer side are also sorted
+by target and source length (`seq2seq.data.bucket`): the same update on
+batches of the same token budget with less padding. Its batches differ, so it
+times the first `--rounds x --steps` batches of each epoch order and also
+prints the padding of each order over the whole epoch.
 Models:
 
 - quickstart: configs/quickstart.yaml (3+3 layers, d_model 256, d_ff 1024)
@@ -52,6 +58,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.nn.attention import SDPBackend
 
@@ -59,10 +66,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from seq2seq.config import ExperimentConfig, load_config  # noqa: E402
-from seq2seq.data import Batch, read_parallel  # noqa: E402
+from seq2seq.data import Batch, bucket, collate_pairs, read_parallel  # noqa: E402
 from seq2seq.device import resolve_precision  # noqa: E402
 from seq2seq.model import training_kernel  # noqa: E402
 from seq2seq.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
+from seq2seq.training.epochs import epoch_seed  # noqa: E402
 from seq2seq.training.trainer import Trainer  # noqa: E402
 from seq2seq.training.update import UpdateStep  # noqa: E402
 
@@ -99,6 +107,7 @@ SETTINGS: dict[str, dict[str, tuple[str, SDPBackend | str | None, float, bool]]]
     },
     "rdrop": {"plain": ("auto", TRAINERS, 0.0, False), "rdrop": ("auto", TRAINERS, 5.0, False)},
     "compile": {"eager": ("auto", TRAINERS, 0.0, False), "compiled": ("auto", TRAINERS, 0.0, True)},
+    "batching": {"longer-side": ("auto", TRAINERS, 0.0, False), "both-sides": ("auto", TRAINERS, 0.0, False)},
 }
 
 
@@ -176,22 +185,26 @@ def _bench(trainer: Trainer, name: str, args: argparse.Namespace) -> None:
     """Interleave the two settings round by round on the same batches; print per-round rates and medians."""
     settings = SETTINGS[args.compare]
     first, second = settings
-    batches = [trainer.epochs.batch(1, j) for j in range(args.steps * args.rounds)]
+    n = args.steps * args.rounds
+    if args.compare == "batching":
+        batches_of = {s: _epoch_batches(trainer, ties=s == "both-sides", n=n) for s in settings}
+    else:
+        batches_of = dict.fromkeys(settings, [trainer.epochs.batch(1, j) for j in range(n)])
     n_params = sum(p.numel() for p in trainer.model.parameters()) / 1e6
-    mean_tokens = statistics.mean(b.n_tokens for b in batches)
+    mean_tokens = statistics.mean(b.n_tokens for b in batches_of[first])
     print(f"\n{name}: {n_params:.1f}M parameters, batches of {mean_tokens:.0f} target tokens on average")
     updates = {s: _update_step(trainer, *settings[s]) for s in settings}
     steps = itertools.count(1)
     for s in settings:  # warm-up: kernel selection, allocator, compilation
         start = time.perf_counter()
-        _rate(updates[s], trainer, steps, batches[:1])
+        _rate(updates[s], trainer, steps, batches_of[s][:1])
         print(f"  first update, {s}: {time.perf_counter() - start:.1f} s")
     rates: dict[str, list[float]] = {s: [] for s in settings}
     ratios = []
     for r in range(args.rounds):
-        chunk = batches[r * args.steps : (r + 1) * args.steps]
+        chunk = slice(r * args.steps, (r + 1) * args.steps)
         order = [first, second] if r % 2 == 0 else [second, first]
-        now = {s: _rate(updates[s], trainer, steps, chunk) for s in order}
+        now = {s: _rate(updates[s], trainer, steps, batches_of[s][chunk]) for s in order}
         for s in settings:
             rates[s].append(now[s])
         ratios.append(now[second] / now[first])
@@ -210,6 +223,25 @@ def _bench(trainer: Trainer, name: str, args: argparse.Namespace) -> None:
 
         graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
         print(f"  compiled graphs: {graphs}, graph breaks: {breaks}")
+
+
+def _epoch_batches(trainer: Trainer, ties: bool, n: int) -> list[Batch]:
+    """n batches (a random sample) of epoch 1 cut as the trainer cuts them, or (ties=False) from pairs sorted by
+    their longer side only; prints the padding share of each side over the whole epoch."""
+    corpus = trainer.epochs.corpus
+    seed = epoch_seed(trainer.epochs.seed, 1)
+    order, bounds = bucket(corpus.lengths, trainer.epochs.max_tokens, seed, ties=corpus.side_lengths if ties else ())
+    sizes = np.diff(bounds)
+    shares = []
+    for side in (corpus.side_lengths[1], corpus.side_lengths[0]):  # source, target
+        longest = np.maximum.reduceat(side[order], bounds[:-1])  # per batch
+        shares.append(1 - int(side.sum()) / int((longest.astype(np.int64) * sizes).sum()))
+    label = "trainer's (both sides)" if ties else "longer side only"
+    print(f"  {label}: {len(sizes)} batches, padding {shares[0]:.1%} of the source positions and")
+    print(f"    {shares[1]:.1%} of the target positions over the whole epoch (EOS counted)")
+    sample = np.random.default_rng(0).permutation(len(sizes))[:n]
+    pairs = ([corpus.ids(int(i)) for i in order[bounds[b] : bounds[b + 1]]] for b in sample)
+    return [collate_pairs([s for s, _ in p], [t for _, t in p]) for p in pairs]
 
 
 def _bench_matmul(rounds: int) -> None:

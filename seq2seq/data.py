@@ -139,20 +139,31 @@ def make_batches(lengths: Sequence[int], max_tokens: int, seed: int | None = Non
 
 
 def bucket(
-    lengths: np.ndarray, max_tokens: int, seed: int | None = None, chunk: int = BUCKET_CHUNK
+    lengths: np.ndarray,
+    max_tokens: int,
+    seed: int | None = None,
+    chunk: int = BUCKET_CHUNK,
+    ties: Sequence[np.ndarray] = (),
 ) -> tuple[np.ndarray, np.ndarray]:
     """Token-budget batches as arrays: batch b is `order[bounds[b]:bounds[b + 1]]`.
 
     With a seed the pairs are shuffled, then each chunk of `chunk` pairs is sorted by length
     (stable, so the shuffle breaks ties) and cut greedily; without one, the chunks are in
     corpus order. Sorting chunk by chunk keeps tens of millions of pairs cheap to bucket.
+
+    `ties` order the pairs of equal length further, first key first. With the target's and
+    then the source's length, a batch of pairs whose longer side is equal also holds
+    similar shorter sides, so both of its tensors carry less padding (Multi30k at 2,048
+    tokens: source padding 5.3% -> 2.4%, target padding 8.5% -> 3.2%); the budget, and
+    so the number of batches, is unchanged.
     """
     n = len(lengths)
     order = np.random.default_rng(seed).permutation(n) if seed is not None else np.arange(n)
     bounds = [0]
     for start in range(0, n, chunk):
         part = order[start : start + chunk]
-        part[:] = part[np.argsort(lengths[part], kind="stable")]
+        keys = [key[part] for key in reversed(ties)] + [lengths[part]]  # lexsort: last key first
+        part[:] = part[np.lexsort(keys)]  # stable, like argsort(kind="stable") with one key
         bounds += [start + end for end in _pack(lengths[part].tolist(), max_tokens)]
     return order, np.asarray(bounds, dtype=np.int64)
 

@@ -30,6 +30,7 @@ import random
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import zip_longest
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -398,6 +399,18 @@ class PreparedCorpus:
 
     def __len__(self) -> int:
         return int(self.starts[-1])
+
+    @cached_property
+    def side_lengths(self) -> tuple[np.ndarray, np.ndarray]:
+        """(target lengths, source lengths), uint16 a pair each: bucketing's tie-breakers (seq2seq.data.bucket).
+
+        Read from the offsets when first asked for, so DataLoader workers, which only collate, never load them.
+        """
+        sides = []
+        for side in ("tgt", "src"):
+            parts = [np.diff(self._map(f"{name}.{side}.off", np.int64)).astype(np.uint16) for name in self.names]
+            sides.append(np.concatenate(parts))
+        return sides[0], sides[1]
 
     def __getstate__(self) -> dict[str, Any]:
         return {"directory": self.directory}

@@ -7,12 +7,14 @@ import random
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import reversal_pairs
 
 from seq2seq.data import (
     EncodedCorpus,
+    bucket,
     collate,
     encode_corpus,
     find_file,
@@ -157,6 +159,28 @@ def test_batches_are_deterministic_per_seed_and_differ_across_seeds() -> None:
     assert make_batches(lengths, 200, seed=3) == make_batches(lengths, 200, seed=3)
     assert make_batches(lengths, 200, seed=3) != make_batches(lengths, 200, seed=4)
     assert make_batches(lengths, 200) == make_batches(lengths, 200)
+
+
+def padded_positions(batches: Sequence[Sequence[int]], lengths: np.ndarray) -> int:
+    return sum(int(lengths[list(b)].max()) * len(b) for b in batches)
+
+
+def test_pairs_of_equal_length_are_ordered_by_the_ties_so_batches_pad_less() -> None:
+    rng = np.random.default_rng(0)
+    longer = rng.integers(5, 40, 2000)
+    tgt = np.where(rng.random(2000) < 0.5, longer, rng.integers(1, 6, 2000))  # the shorter side is very short
+    src = np.where(tgt == longer, rng.integers(1, 6, 2000), longer)
+    plain, bounds = bucket(longer, 300, seed=3)
+    tied, tied_bounds = bucket(longer, 300, seed=3, ties=(tgt, src))
+    assert np.array_equal(bounds, tied_bounds)  # the same budget cuts the same batches of longer sides
+    assert sorted(tied.tolist()) == list(range(2000)) and np.array_equal(longer[plain], longer[tied])
+    batches = [[order[a:b] for a, b in zip(bounds[:-1], bounds[1:])] for order in (plain, tied)]
+    for side in (src, tgt):
+        assert padded_positions(batches[1], side) < 0.8 * padded_positions(batches[0], side)
+    for a, b in zip(tied_bounds[:-1], tied_bounds[1:]):  # inside a length, by target and then source length
+        keys = list(zip(longer[tied[a:b]].tolist(), tgt[tied[a:b]].tolist(), src[tied[a:b]].tolist()))
+        assert keys == sorted(keys)
+    assert not np.array_equal(tied, bucket(longer, 300, seed=4, ties=(tgt, src))[0])  # the seed still shuffles
 
 
 def test_unseeded_batches_are_sorted_by_length() -> None:

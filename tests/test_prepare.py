@@ -39,6 +39,7 @@ def test_worker_processes_and_shards_give_the_same_pairs_as_one_process(tmp_path
         assert src == src_lines[kept[i]]
         assert b.ids(i) == (b.tokenizer.encode_src([src])[0] + [EOS], b.tokenizer.encode_tgt([tgt])[0] + [EOS])
         assert b.lengths[i] == max(len(side) for side in b.ids(i))
+        assert (b.side_lengths[1][i], b.side_lengths[0][i]) == tuple(len(side) for side in b.ids(i))  # src, tgt
 
 
 def test_the_sentencepiece_sample_is_capped(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

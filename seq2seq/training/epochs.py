@@ -3,7 +3,8 @@
 Exact resume rests on this: the batches of an epoch depend only on the
 prepared corpus, the seed, the epoch and the rank, never on what ran before,
 so a resumed run skips the batches already consumed and sees the rest
-unchanged. Batching needs only the corpus's length index (2 bytes a pair);
+unchanged. Batching needs only the corpus's length indexes (the longer side,
+the target and the source: 6 bytes a pair);
 the token ids stay memory-mapped and are collated, in DataLoader worker
 processes with `train.num_workers`, while the model trains. With subword
 sampling (`data.sampling_alpha`), each batch's text is encoded anew with a
@@ -70,8 +71,9 @@ class EpochSource:
         if self._last is None or self._last[0] != epoch:
             seed = epoch_seed(self.seed, epoch)
             pairs = self.epoch_pairs(epoch)
-            lengths = self.corpus.lengths if pairs is None else self.corpus.lengths[pairs]
-            order, bounds = bucket(lengths, self.max_tokens, seed)
+            keys = (self.corpus.lengths, *self.corpus.side_lengths)  # longer side, then target, then source
+            lengths, *ties = keys if pairs is None else (key[pairs] for key in keys)
+            order, bounds = bucket(lengths, self.max_tokens, seed, ties=ties)
             if pairs is not None:
                 order = pairs[order]
             ids = np.random.default_rng(seed + 1).permutation(len(bounds) - 1)
