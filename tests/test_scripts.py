@@ -85,16 +85,21 @@ def test_bench_decode_compares_engines(trained_run: Path, corpus: Path, tmp_path
         assert checkpoint["ct2-float32"]["same_as_pytorch"] >= 0.8  # the same model in another engine
 
 
-def test_bench_train_times_two_update_settings_on_the_same_batches(
-    corpus: Path, trained_run: Path, tmp_path: Path
+@pytest.mark.parametrize(
+    ("compare", "first", "second"), [("rdrop", "plain", "rdrop"), ("batching", "longer-side", "both-sides")]
+)
+def test_bench_train_times_two_update_settings_round_by_round(
+    corpus: Path, trained_run: Path, tmp_path: Path, compare: str, first: str, second: str
 ) -> None:
-    """The R-Drop comparison runs real training updates of both settings, round by round, and reports a ratio."""
+    """A comparison runs real training updates of both settings, round by round, and reports a ratio."""
     args = ["--data", str(corpus), "--langs", "src,tgt", "--spm", str(trained_run / "spm.model"), "--models", "tiny"]
-    args += ["--rounds", "2", "--steps", "1", "--threads", "1", "--max-tokens", "256", "--compare", "rdrop"]
+    args += ["--rounds", "2", "--steps", "1", "--threads", "1", "--max-tokens", "256", "--compare", compare]
     out = run_script("bench_train.py", *args, cwd=tmp_path).stdout
     rounds = [line for line in out.splitlines() if line.strip().startswith("round ")]
-    assert len(rounds) == 2 and all("plain" in r and "rdrop/plain" in r for r in rounds)
+    assert len(rounds) == 2 and all(f"{first} " in r and f"{second}/{first}" in r for r in rounds)
     assert "ratio median" in out
+    if compare == "batching":  # both orders' padding over the whole epoch
+        assert "longer side only:" in out and "trainer's (both sides):" in out and "of the target positions" in out
 
 
 def test_peer_adapter_runs_the_projects_update_and_search() -> None:
