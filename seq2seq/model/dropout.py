@@ -28,11 +28,12 @@ def keep_mask(shape: torch.Size, p: float, dtype: torch.dtype, device: torch.dev
     n = shape.numel()
     # A draw gives 31 random bits (bit 31 is 0). Shifted left by one, a word's high 16 bits are all random
     # and its low 16 bits are 15 random ones over a 0: both halves, read as int16, fall below 2 * drop - 2^15
-    # with probability drop / 2^15, so one comparison with one threshold decides both elements.
+    # with probability drop / 2^15, so one comparison with one threshold decides both elements. It writes
+    # 0s and 1s in `dtype` at once, and scaling them in place is cheaper than `where` from a bool mask.
     words = torch.empty(((n + 1) // 2,), dtype=torch.int32).random_().bitwise_left_shift_(1)
-    keep = torch.ge(words.view(torch.int16)[:n], torch.tensor(2 * drop - _LEVELS, dtype=torch.int16))
-    scale = torch.tensor(_LEVELS / (_LEVELS - drop), dtype=dtype)
-    return torch.where(keep.view(shape), scale, torch.zeros((), dtype=dtype))
+    mask = torch.empty(shape, dtype=dtype)
+    torch.ge(words.view(torch.int16)[:n].view(shape), torch.tensor(2 * drop - _LEVELS, dtype=torch.int16), out=mask)
+    return mask.mul_(_LEVELS / (_LEVELS - drop))
 
 
 def dropout(x: Tensor, p: float, training: bool) -> Tensor:
