@@ -13,7 +13,9 @@ matmul), which the trainer asks for on CPU (`seq2seq.model.training_kernel`);
 also in the `auto` precision; `--compare compile` sets the eager model against
 `torch.compile(model, dynamic=True)` (batches differ in shape), and prints the
 compiled model's first update (the compilation) and its number of graphs;
-`--compare batching` sets batches cut from pairs sorted by their longer side
+`--compare linear` sets PyTorch's `addmm` (and a separate ReLU) against the
+oneDNN matmul with the bias and ReLU inside that fp32 CPU training uses
+(`seq2seq.model.linear`); `--compare batching` sets batches cut from pairs sorted by their longer side
 only against the trainer's, whose pairs of equal longer side are also sorted
 by target and source length (`seq2seq.data.bucket`): the same update on
 batches of the same token budget with less padding. Its batches differ, so it
@@ -24,6 +26,7 @@ Models:
 - quickstart: configs/quickstart.yaml (3+3 layers, d_model 256, d_ff 1024)
 - tiny: 4+4 layers, d_model 128, d_ff 256 (the shape of fairseq's transformer_tiny)
 - big: 6+6 layers, d_model 512, 8 heads, d_ff 2048
+- small: 6+6 layers, d_model 512, 4 heads, d_ff 1024 (the peer suite's iwslt-small); not in the default list
 - rope, relative, rmsnorm: the quickstart shape with that position or norm variant
 - rnn, rnn_attention: the RNNs of configs/m30k_de_en_rnn*.yaml (LSTM 2+2, hidden 512); not in the default list
 
@@ -57,6 +60,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -68,7 +72,7 @@ sys.path.insert(0, str(ROOT))
 from seq2seq.config import ExperimentConfig, load_config  # noqa: E402
 from seq2seq.data import Batch, bucket, collate_pairs, read_parallel  # noqa: E402
 from seq2seq.device import resolve_precision  # noqa: E402
-from seq2seq.model import training_kernel  # noqa: E402
+from seq2seq.model import linear, training_kernel  # noqa: E402
 from seq2seq.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
 from seq2seq.training.epochs import epoch_seed  # noqa: E402
 from seq2seq.training.trainer import Trainer  # noqa: E402
@@ -90,6 +94,13 @@ MODELS = {
         "model.encoder_layers=6",
         "model.decoder_layers=6",
     ],
+    "small": [  # the peer suite's iwslt-small (../shared/bench-peers)
+        "model.d_model=512",
+        "model.n_heads=4",
+        "model.d_ff=1024",
+        "model.encoder_layers=6",
+        "model.decoder_layers=6",
+    ],
     # the quickstart shape with the other positions and norms, and the RNNs of configs/m30k_de_en_rnn*.yaml
     "rope": ["model.positions=rope"],
     "relative": ["model.positions=relative"],
@@ -98,16 +109,23 @@ MODELS = {
     "rnn_attention": ["model.arch=rnn", "model.rnn.attention=general"],
 }
 TRAINERS = "trainer's"  # the attention kernel the trainer picks (seq2seq.model.training_kernel)
-# setting name -> (precision, attention kernel (None: PyTorch's choice), train.rdrop_alpha, torch.compile the model)
-SETTINGS: dict[str, dict[str, tuple[str, SDPBackend | str | None, float, bool]]] = {
-    "precision": {"fp32": ("fp32", SDPBackend.MATH, 0.0, False), "bf16": ("bf16", SDPBackend.MATH, 0.0, False)},
-    "attention": {
-        "flash": ("auto", SDPBackend.FLASH_ATTENTION, 0.0, False),
-        "math": ("auto", SDPBackend.MATH, 0.0, False),
-    },
-    "rdrop": {"plain": ("auto", TRAINERS, 0.0, False), "rdrop": ("auto", TRAINERS, 5.0, False)},
-    "compile": {"eager": ("auto", TRAINERS, 0.0, False), "compiled": ("auto", TRAINERS, 0.0, True)},
-    "batching": {"longer-side": ("auto", TRAINERS, 0.0, False), "both-sides": ("auto", TRAINERS, 0.0, False)},
+
+
+class Setting(NamedTuple):
+    precision: str = "auto"
+    kernel: SDPBackend | str | None = TRAINERS  # None: PyTorch's choice
+    rdrop: float = 0.0  # train.rdrop_alpha
+    compiled: bool = False  # torch.compile the model
+    onednn_linear: bool = True  # bias and ReLU inside oneDNN's matmul (seq2seq.model.linear) where it applies
+
+
+SETTINGS: dict[str, dict[str, Setting]] = {
+    "precision": {"fp32": Setting("fp32", SDPBackend.MATH), "bf16": Setting("bf16", SDPBackend.MATH)},
+    "attention": {"flash": Setting(kernel=SDPBackend.FLASH_ATTENTION), "math": Setting(kernel=SDPBackend.MATH)},
+    "rdrop": {"plain": Setting(), "rdrop": Setting(rdrop=5.0)},
+    "compile": {"eager": Setting(), "compiled": Setting(compiled=True)},
+    "batching": {"longer-side": Setting(), "both-sides": Setting()},
+    "linear": {"addmm": Setting(onednn_linear=False), "onednn": Setting()},
 }
 
 
@@ -193,18 +211,18 @@ def _bench(trainer: Trainer, name: str, args: argparse.Namespace) -> None:
     n_params = sum(p.numel() for p in trainer.model.parameters()) / 1e6
     mean_tokens = statistics.mean(b.n_tokens for b in batches_of[first])
     print(f"\n{name}: {n_params:.1f}M parameters, batches of {mean_tokens:.0f} target tokens on average")
-    updates = {s: _update_step(trainer, *settings[s]) for s in settings}
+    updates = {s: _update_step(trainer, settings[s]) for s in settings}
     steps = itertools.count(1)
     for s in settings:  # warm-up: kernel selection, allocator, compilation
         start = time.perf_counter()
-        _rate(updates[s], trainer, steps, batches_of[s][:1])
+        _rate(updates[s], trainer, steps, batches_of[s][:1], settings[s].onednn_linear)
         print(f"  first update, {s}: {time.perf_counter() - start:.1f} s")
     rates: dict[str, list[float]] = {s: [] for s in settings}
     ratios = []
     for r in range(args.rounds):
         chunk = slice(r * args.steps, (r + 1) * args.steps)
         order = [first, second] if r % 2 == 0 else [second, first]
-        now = {s: _rate(updates[s], trainer, steps, batches_of[s][chunk]) for s in order}
+        now = {s: _rate(updates[s], trainer, steps, batches_of[s][chunk], settings[s].onednn_linear) for s in order}
         for s in settings:
             rates[s].append(now[s])
         ratios.append(now[second] / now[first])
@@ -259,27 +277,30 @@ def _bench_matmul(rounds: int) -> None:
     print(f"matmul 4096x512 @ 512x2048: fp32 {fp32:.0f} GFLOP/s, bf16 {bf16:.0f} GFLOP/s ({bf16 / fp32:.2f}x)")
 
 
-def _update_step(
-    trainer: Trainer, precision: str, kernel: SDPBackend | str | None, rdrop: float, compiled: bool
-) -> UpdateStep:
+def _update_step(trainer: Trainer, setting: Setting) -> UpdateStep:
     """The trainer's update (same model and optimizer) with one setting changed; `auto` is this CPU's choice."""
-    precision = resolve_precision(precision, torch.device("cpu"))
+    precision = resolve_precision(setting.precision, torch.device("cpu"))
+    kernel = setting.kernel
     if kernel == TRAINERS:
         kernel = training_kernel(torch.device("cpu"), precision)
     assert not isinstance(kernel, str)
-    model = torch.compile(trainer.model, dynamic=True) if compiled else trainer.model  # the same parameters
+    model = torch.compile(trainer.model, dynamic=True) if setting.compiled else trainer.model  # the same parameters
     return dataclasses.replace(
-        trainer.update, model=model, precision=precision, attention_kernel=kernel, rdrop_alpha=rdrop
+        trainer.update, model=model, precision=precision, attention_kernel=kernel, rdrop_alpha=setting.rdrop
     )
 
 
-def _rate(update: UpdateStep, trainer: Trainer, steps: Iterator[int], batches: list[Batch]) -> float:
+def _rate(update: UpdateStep, trainer: Trainer, steps: Iterator[int], batches: list[Batch], onednn: bool) -> float:
     """Target tokens per second of full training updates, one batch per update."""
-    start = time.perf_counter()
-    for batch in batches:
-        step = next(steps)
-        update([batch], step, trainer.lr(step))
-    return sum(b.n_tokens for b in batches) / (time.perf_counter() - start)
+    available, linear.ONEDNN = linear.ONEDNN, linear.ONEDNN and onednn
+    try:
+        start = time.perf_counter()
+        for batch in batches:
+            step = next(steps)
+            update([batch], step, trainer.lr(step))
+        return sum(b.n_tokens for b in batches) / (time.perf_counter() - start)
+    finally:
+        linear.ONEDNN = available
 
 
 if __name__ == "__main__":

@@ -9,17 +9,24 @@ the share it attacks. Shapes: the quickstart's (3+3, d256, ffn 1024) and a
 
     .venv/bin/python scripts/profile_train.py --models quickstart big --steps 5 --threads 2
 
-Prints, per model, the share of each bucket and the ten costliest operators.
-Buckets go by operator name, so "rest" holds the elementwise work whose
-purpose the name does not tell (residual adds, dropout's mask multiply, the
-activation, gradient accumulation copies). Profiling adds overhead per
-operator, so the shares of small operators are upper bounds.
+Prints, per model, the share of each bucket, the ten costliest operators and
+the rate of the matmuls (their floating-point operations over their time)
+against a plain matmul of a feed-forward layer's size timed alone: where the
+two are close, matmul runs at the hardware's rate, and only the other
+buckets can still be made faster. Buckets go by operator name, so "rest"
+holds the elementwise work whose purpose the name does not tell (residual
+adds, dropout's mask multiply, the activation, gradient accumulation
+copies; `addmm` copies its bias into the output first, which shows as
+`copy_`). Profiling adds overhead per operator, so the shares of small
+operators are upper bounds.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -89,7 +96,7 @@ def profile_model(name: str, args: argparse.Namespace) -> None:
     batches = [random_batch(args.vocab, args.sentences, args.length, generator) for _ in range(args.steps + 2)]
     for step, batch in enumerate(batches[:2], start=1):  # warm-up: allocator, kernel choice
         update([batch], step, lr(step))
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         for step, batch in enumerate(batches[2:], start=3):
             update([batch], step, lr(step))
     report(name, precision, prof, batches[2:])
@@ -112,6 +119,43 @@ def report(name: str, precision: str, prof: profile, batches: list[Batch]) -> No
     print("  costliest operators:")
     for op, micros in sorted(per_op.items(), key=lambda kv: -kv[1])[:10]:
         print(f"    {op:40s} {100 * micros / total:5.1f}%  ({bucket(op)})")
+    flops, micros = matmul_work(prof)
+    print(
+        f"  matmul rate: {flops / micros / 1e3:.0f} GFLOP/s in the model's matmuls; "
+        f"a 4096x512 @ 512x1024 matmul alone: {plain_matmul_rate():.0f} GFLOP/s"
+    )
+
+
+def matmul_work(prof: profile) -> tuple[float, float]:
+    """(floating-point operations, microseconds) of the matmuls the profile recorded: mm, addmm and
+    oneDNN's linear (seq2seq.model.linear)."""
+    flops = micros = 0.0
+    for event in prof.key_averages(group_by_input_shape=True):
+        shapes = event.input_shapes
+        if event.key == "aten::mm" and len(shapes) >= 2:
+            (m, k), n = shapes[0], shapes[1][-1]
+        elif event.key == "aten::addmm" and len(shapes) >= 3:
+            (m, k), n = shapes[1], shapes[2][-1]
+        elif event.key == "mkldnn::_linear_pointwise" and len(shapes) >= 2:
+            m, k, n = math.prod(shapes[0][:-1]), shapes[0][-1], shapes[1][0]  # x (..., K), weight (N, K)
+        else:
+            continue
+        flops += 2.0 * m * k * n * event.count
+        micros += event.self_cpu_time_total
+    return flops, max(micros, 1.0)
+
+
+def plain_matmul_rate(rounds: int = 5) -> float:
+    """GFLOP/s of a feed-forward-sized fp32 matmul, best of `rounds` (the machine's speed drifts)."""
+    a, b = torch.randn(4096, 512), torch.randn(512, 1024)
+    a @ b
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(5):
+            a @ b
+        best = min(best, (time.perf_counter() - start) / 5)
+    return 2 * 4096 * 512 * 1024 / best / 1e9
 
 
 def main() -> None:

@@ -133,6 +133,8 @@ def test_profile_train_reports_bucket_shares(tmp_path: Path) -> None:
     out = run_script("profile_train.py", *args, "--length", "8", cwd=tmp_path).stdout
     shares = {line.split()[0]: float(line.split()[1].rstrip("%")) for line in out.splitlines() if line.endswith("%")}
     assert {"matmul", "rest"} <= set(shares) and sum(shares.values()) == pytest.approx(100, abs=0.5)
+    rates = [float(word) for word in out.split("matmul rate:")[1].split() if word.replace(".", "").isdigit()]
+    assert len(rates) == 2 and all(rate > 0 for rate in rates)
 
 
 def test_lectures_table_reads_a_run_and_its_scores(
