@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from seq2seq.model.linear import linear
 from seq2seq.model.packed import DecoderLinears, StepLinears
 from seq2seq.model.positions import RelativePositions, RotaryPositions
 
@@ -124,7 +123,7 @@ class MultiHeadAttention(nn.Module):
 
     def project_self(self, x: Tensor, packing: Packing | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """Queries, keys and values of `x` (B, L, D), or of its real positions (n, D), each (B, H, L, Dh)."""
-        qkv = linear(x, self.in_proj.weight, self.in_proj.bias)
+        qkv = self.in_proj(x)
         q, k, v = (qkv if packing is None else packing.unpack(qkv)).chunk(3, dim=-1)
         return self.split_heads(q), self.split_heads(k), self.split_heads(v)
 
@@ -137,11 +136,11 @@ class MultiHeadAttention(nn.Module):
         return self.in_proj.weight[self.d_model :], self.in_proj.bias[self.d_model :]
 
     def project_query(self, x: Tensor) -> Tensor:
-        return self.split_heads(linear(x, *self.query_weights()))  # (B, H, T, Dh)
+        return self.split_heads(F.linear(x, *self.query_weights()))  # (B, H, T, Dh)
 
     def project_memory(self, memory: Tensor) -> tuple[Tensor, Tensor]:
         """Keys and values of the encoder output (B, S, D), each (B, H, S, Dh)."""
-        k, v = linear(memory, *self.memory_weights()).chunk(2, dim=-1)
+        k, v = F.linear(memory, *self.memory_weights()).chunk(2, dim=-1)
         return self.split_heads(k), self.split_heads(v)
 
     def attend(
@@ -171,7 +170,7 @@ class MultiHeadAttention(nn.Module):
     def merge_heads(self, out: Tensor, packing: Packing | None = None) -> Tensor:
         """(B, H, T, Dh) -> W_O applied to the concatenated heads, (B, T, D), or (n, D) at the packed positions."""
         heads = concat_heads(out)
-        return linear(heads if packing is None else packing.pack(heads), self.out_proj.weight, self.out_proj.bias)
+        return self.out_proj(heads if packing is None else packing.pack(heads))
 
     def self_attention(
         self,

@@ -17,7 +17,6 @@ from torch import Tensor, nn
 
 from seq2seq.model.attention import LayerCache, MultiHeadAttention, Packing
 from seq2seq.model.dropout import Dropout, add_dropout
-from seq2seq.model.linear import linear
 
 
 @dataclass(frozen=True)
@@ -50,11 +49,7 @@ class FeedForward(nn.Module):
         self.dropout = Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.activation is F.relu:
-            hidden = linear(x, self.fc1.weight, self.fc1.bias, relu=True)
-        else:
-            hidden = self.activation(linear(x, self.fc1.weight, self.fc1.bias))
-        return linear(self.dropout(hidden), self.fc2.weight, self.fc2.bias)
+        return self.fc2(self.dropout(self.activation(self.fc1(x))))
 
 
 class Residual(nn.Module):

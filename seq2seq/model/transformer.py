@@ -20,7 +20,6 @@ from seq2seq.model import packed
 from seq2seq.model.attention import DecoderCache, Packing, attention_mask
 from seq2seq.model.dropout import Dropout
 from seq2seq.model.layers import DecoderLayer, EncoderLayer, FeedForward, LayerOptions
-from seq2seq.model.linear import linear
 from seq2seq.model.packed import DecoderLinears, Linear, StepLinears, can_pack, packed_linear, plain_linear
 from seq2seq.vocab import PAD
 
@@ -116,7 +115,7 @@ class Decoder(nn.Module):
         x = self.final_norm(x)
         if select is not None:
             x = x[select]  # (N, D): project only the positions that are scored
-        return linear(x, self.output.weight, self.output.bias)  # (B, T, V) or (N, V)
+        return self.output(x)  # (B, T, V) or (N, V)
 
     def step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
         x = self.embedding(cache.stored(tokens), start=cache.step)  # (P, 1, D)
