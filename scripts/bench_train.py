@@ -13,9 +13,7 @@ matmul), which the trainer asks for on CPU (`seq2seq.model.training_kernel`);
 also in the `auto` precision; `--compare compile` sets the eager model against
 `torch.compile(model, dynamic=True)` (batches differ in shape), and prints the
 compiled model's first update (the compilation) and its number of graphs;
-`--compare linear` sets PyTorch's `addmm` (and a separate ReLU) against the
-oneDNN matmul with the bias and ReLU inside that fp32 CPU training uses
-(`seq2seq.model.linear`); `--compare batching` sets batches cut from pairs sorted by their longer side
+`--compare batching` sets batches cut from pairs sorted by their longer side
 only against the trainer's, whose pairs of equal longer side are also sorted
 by target and source length (`seq2seq.data.bucket`): the same update on
 batches of the same token budget with less padding. Its batches differ, so it
@@ -72,7 +70,7 @@ sys.path.insert(0, str(ROOT))
 from seq2seq.config import ExperimentConfig, load_config  # noqa: E402
 from seq2seq.data import Batch, bucket, collate_pairs, read_parallel  # noqa: E402
 from seq2seq.device import resolve_precision  # noqa: E402
-from seq2seq.model import linear, training_kernel  # noqa: E402
+from seq2seq.model import training_kernel  # noqa: E402
 from seq2seq.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
 from seq2seq.training.epochs import epoch_seed  # noqa: E402
 from seq2seq.training.trainer import Trainer  # noqa: E402
@@ -116,7 +114,6 @@ class Setting(NamedTuple):
     kernel: SDPBackend | str | None = TRAINERS  # None: PyTorch's choice
     rdrop: float = 0.0  # train.rdrop_alpha
     compiled: bool = False  # torch.compile the model
-    onednn_linear: bool = True  # bias and ReLU inside oneDNN's matmul (seq2seq.model.linear) where it applies
 
 
 SETTINGS: dict[str, dict[str, Setting]] = {
@@ -125,7 +122,6 @@ SETTINGS: dict[str, dict[str, Setting]] = {
     "rdrop": {"plain": Setting(), "rdrop": Setting(rdrop=5.0)},
     "compile": {"eager": Setting(), "compiled": Setting(compiled=True)},
     "batching": {"longer-side": Setting(), "both-sides": Setting()},
-    "linear": {"addmm": Setting(onednn_linear=False), "onednn": Setting()},
 }
 
 
@@ -215,14 +211,14 @@ def _bench(trainer: Trainer, name: str, args: argparse.Namespace) -> None:
     steps = itertools.count(1)
     for s in settings:  # warm-up: kernel selection, allocator, compilation
         start = time.perf_counter()
-        _rate(updates[s], trainer, steps, batches_of[s][:1], settings[s].onednn_linear)
+        _rate(updates[s], trainer, steps, batches_of[s][:1])
         print(f"  first update, {s}: {time.perf_counter() - start:.1f} s")
     rates: dict[str, list[float]] = {s: [] for s in settings}
     ratios = []
     for r in range(args.rounds):
         chunk = slice(r * args.steps, (r + 1) * args.steps)
         order = [first, second] if r % 2 == 0 else [second, first]
-        now = {s: _rate(updates[s], trainer, steps, batches_of[s][chunk], settings[s].onednn_linear) for s in order}
+        now = {s: _rate(updates[s], trainer, steps, batches_of[s][chunk]) for s in order}
         for s in settings:
             rates[s].append(now[s])
         ratios.append(now[second] / now[first])
@@ -290,17 +286,13 @@ def _update_step(trainer: Trainer, setting: Setting) -> UpdateStep:
     )
 
 
-def _rate(update: UpdateStep, trainer: Trainer, steps: Iterator[int], batches: list[Batch], onednn: bool) -> float:
+def _rate(update: UpdateStep, trainer: Trainer, steps: Iterator[int], batches: list[Batch]) -> float:
     """Target tokens per second of full training updates, one batch per update."""
-    available, linear.ONEDNN = linear.ONEDNN, linear.ONEDNN and onednn
-    try:
-        start = time.perf_counter()
-        for batch in batches:
-            step = next(steps)
-            update([batch], step, trainer.lr(step))
-        return sum(b.n_tokens for b in batches) / (time.perf_counter() - start)
-    finally:
-        linear.ONEDNN = available
+    start = time.perf_counter()
+    for batch in batches:
+        step = next(steps)
+        update([batch], step, trainer.lr(step))
+    return sum(b.n_tokens for b in batches) / (time.perf_counter() - start)
 
 
 if __name__ == "__main__":

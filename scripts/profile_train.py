@@ -24,7 +24,6 @@ operators are upper bounds.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from collections import defaultdict
@@ -127,8 +126,7 @@ def report(name: str, precision: str, prof: profile, batches: list[Batch]) -> No
 
 
 def matmul_work(prof: profile) -> tuple[float, float]:
-    """(floating-point operations, microseconds) of the matmuls the profile recorded: mm, addmm and
-    oneDNN's linear (seq2seq.model.linear)."""
+    """(floating-point operations, microseconds) of the 2-D matmuls (mm, addmm) the profile recorded."""
     flops = micros = 0.0
     for event in prof.key_averages(group_by_input_shape=True):
         shapes = event.input_shapes
@@ -136,8 +134,6 @@ def matmul_work(prof: profile) -> tuple[float, float]:
             (m, k), n = shapes[0], shapes[1][-1]
         elif event.key == "aten::addmm" and len(shapes) >= 3:
             (m, k), n = shapes[1], shapes[2][-1]
-        elif event.key == "mkldnn::_linear_pointwise" and len(shapes) >= 2:
-            m, k, n = math.prod(shapes[0][:-1]), shapes[0][-1], shapes[1][0]  # x (..., K), weight (N, K)
         else:
             continue
         flops += 2.0 * m * k * n * event.count

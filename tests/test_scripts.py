@@ -86,7 +86,8 @@ def test_bench_decode_compares_engines(trained_run: Path, corpus: Path, tmp_path
 
 
 @pytest.mark.parametrize(
-    ("compare", "first", "second"), [("rdrop", "plain", "rdrop"), ("batching", "longer-side", "both-sides")]
+    ("compare", "first", "second"),
+    [("rdrop", "plain", "rdrop"), ("batching", "longer-side", "both-sides")],
 )
 def test_bench_train_times_two_update_settings_round_by_round(
     corpus: Path, trained_run: Path, tmp_path: Path, compare: str, first: str, second: str
