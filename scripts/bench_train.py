@@ -240,11 +240,13 @@ def _bench(trainer: Trainer, name: str, args: argparse.Namespace) -> None:
 
 
 def _epoch_batches(trainer: Trainer, ties: bool, n: int) -> list[Batch]:
-    """n batches (a random sample) of epoch 1 cut as the trainer cuts them, or (ties=False) from pairs sorted by
-    their longer side only; prints the padding share of each side over the whole epoch."""
-    corpus = trainer.epochs.corpus
-    seed = epoch_seed(trainer.epochs.seed, 1)
-    order, bounds = bucket(corpus.lengths, trainer.epochs.max_tokens, seed, ties=corpus.side_lengths if ties else ())
+    """n batches (a random sample) of epoch 1: the trainer's, or (ties=False) cut from the same shuffle sorted by
+    the longer side only; prints the padding share of each side over the whole epoch."""
+    epochs, corpus = trainer.epochs, trainer.epochs.corpus
+    if ties:
+        order, bounds = epochs.batches(1).order, epochs.batches(1).bounds
+    else:
+        order, bounds = bucket(corpus.lengths, epochs.max_tokens, epoch_seed(epochs.seed, 1))
     sizes = np.diff(bounds)
     shares = []
     for side in (corpus.side_lengths[1], corpus.side_lengths[0]):  # source, target
