@@ -6,6 +6,8 @@ import contextlib
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from seq2seq.errors import TrainingError, UserError
 
@@ -60,8 +62,55 @@ def cpu_has_native_bf16() -> bool:
 
 
 def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager[Any]:
-    """Mixed-precision context for forward passes; a no-op for fp32."""
+    """Mixed-precision context for forward passes; a no-op for fp32.
+
+    bf16 on CPU also runs every linear layer on a bounded set of row counts
+    (`BoundedRows`): see there for why.
+    """
     if precision == "fp32":
         return contextlib.nullcontext()
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    if device.type == "cpu" and precision == "bf16":
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.autocast(device.type, dtype=dtype))
+        stack.enter_context(BoundedRows())
+        return stack
     return torch.autocast(device.type, dtype=dtype)
+
+
+def row_bucket(rows: int) -> int:
+    """`rows` rounded up to a multiple of 16 and of 2**(bits-4): 8 sizes per octave, above 128 at most 12.5% more."""
+    step = 1 << max(4, rows.bit_length() - 4)
+    return -(-rows // step) * step
+
+
+class BoundedRows(TorchFunctionMode):
+    """Runs `F.linear` on row counts rounded up by `row_bucket` (zero rows appended, then sliced off).
+
+    Why: PyTorch runs bf16 matmuls on CPU through oneDNN, which JIT-compiles a
+    kernel (a primitive) for every new shape and caches up to 1,024 of them, a
+    few MB each for a layer of the quickstart model. A training batch's row
+    count (batch x length, or its real target tokens) is new almost every
+    update, so the cache filled with one-off primitives and the allocator
+    fragmented around their buffers: peak RSS grew without bound (2.8 GB after
+    300 quickstart updates on one thread, against 0.9 GB in fp32), with a
+    creation on nearly every matmul. Rounding the rows bounds the shapes to a
+    few dozen per layer, all reused. Rows are independent in a linear layer, so
+    the padding changes no real row's result; fp32 uses other GEMMs and keeps
+    its shapes. `scripts/bench_memory.py` measures both.
+    """
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is not F.linear:
+            return func(*args, **kwargs)
+        x: torch.Tensor = args[0]
+        rows = x.numel() // max(x.shape[-1], 1)
+        target = row_bucket(rows)
+        if rows == 0 or target == rows:
+            return func(*args, **kwargs)
+        padded = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, target - rows))
+        out = func(padded, *args[1:], **kwargs)
+        return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
