@@ -165,7 +165,7 @@ class RunDirectory:
         if record:
             tmp = self.path / f".{RUN_ID}.{os.getpid()}.tmp"
             tmp.write_text(run_id + "\n", encoding="utf-8")
-            os.replace(tmp, self.run_id_file)
+            tmp.rename(self.run_id_file)  # atomic: a reader sees the old file or the new one
         return run_id
 
     def save(self, checkpoint: ckpt.Checkpoint, best: bool = False, keep_last: int = 0) -> None:
