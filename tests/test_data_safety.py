@@ -141,6 +141,21 @@ def test_only_marked_temporaries_of_dead_processes_are_removed(
     assert not abandoned.exists() and snapshot(lookalike) == before
 
 
+def test_train_removes_only_its_own_stale_checkpoint_temporaries(
+    small_corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    stale = run / ".checkpoint_last.pt.ab12cd34.tmp"  # what a save killed midway leaves
+    stale.write_bytes(b"half a checkpoint")
+    mine = [run / ".checkpoint_notes.tmp", run / ".checkpoint.tmp"]  # the same prefix and suffix, not ours
+    for path in mine:
+        path.write_text("mine\n")
+    train = ["train", *prepare_argv(small_corpus, run)[1:], "train.max_steps=1", "train.valid_bleu=false"]
+    assert run_in_process(train, capsys).code == 0
+    assert not stale.exists() and all(path.read_text() == "mine\n" for path in mine)
+
+
 # Prepared data is checked against its manifest when opened.
 
 
