@@ -351,3 +351,18 @@ def test_export_replaces_only_an_earlier_export(
     (again / "keep.txt").write_text("mine\n")
     assert_clean_failure(run_in_process(["export", checkpoint, "-o", str(again)], capsys), 1, "(keep.txt)")
     assert (again / "keep.txt").read_text() == "mine\n"
+
+
+@pytest.mark.parametrize(
+    "manifest", ['{"format": 2}', '{"format": 2, "shards": "x"}', "[1, 2]", "not json", '{"format": 2, "shards": [{}]}']
+)
+def test_a_damaged_manifest_of_its_own_is_prepared_again(
+    manifest: str, small_corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prepared = tmp_path / "prepared"
+    argv = prepare_argv(small_corpus, tmp_path / "run", f"data.prepared_dir={prepared}")
+    assert run_in_process(argv, capsys).code == 0
+    (prepared / MANIFEST).write_text(manifest)
+    outcome = run_in_process(argv, capsys)
+    assert outcome.code == 0 and "preparing 300 lines" in outcome.err and "Traceback" not in outcome.err
+    assert json.loads((prepared / MANIFEST).read_text())["pairs"] == 300
