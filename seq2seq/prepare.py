@@ -57,14 +57,7 @@ FORMAT = 2  # 2: shard sizes and largest ids recorded
 MANIFEST = "manifest.json"
 OWN_FILES = re.compile(r"manifest\.json|spm(\.src|\.tgt)?\.model|shard\d+\.((src|tgt)\.(txt|txtoff|ids|off)|len|line)")
 SHARD_FILES = (
-    "src.txt",
-    "tgt.txt",
-    "src.txtoff",
-    "tgt.txtoff",
-    "src.ids",
-    "tgt.ids",
-    "src.off",
-    "tgt.off",
+    *(f"{side}.{kind}" for side in ("src", "tgt") for kind in ("txt", "txtoff", "ids", "off")),
     "len",
     "line",
 )
@@ -496,7 +489,8 @@ class PreparedCorpus:
             path = self.directory / f"{name}.{side}.ids"
             ids = self._map(path.name, self.manifest["dtype"]) if path.stat().st_size else np.zeros(0, np.uint16)
             offsets = self._map(f"{name}.{side}.off", np.int64)
-            if len(offsets) != shard["pairs"] + 1 or offsets[0] != 0 or offsets[-1] != len(ids):
+            fits = len(offsets) == shard["pairs"] + 1 and offsets[0] == 0 and offsets[-1] == len(ids)
+            if not fits or bool((np.diff(offsets) <= 0).any()):  # every pair holds at least its EOS
                 raise self._damaged(path.with_suffix(".off"), f"its offsets do not fit {path.name} (garbage?)")
             largest = int(ids.max()) if len(ids) else -1
             if largest >= limit:

@@ -185,6 +185,13 @@ def garbage_offsets(prepared: Path) -> None:
     offsets.tofile(path)
 
 
+def unordered_offsets(prepared: Path) -> None:
+    path = prepared / "shard0.tgt.off"
+    offsets = np.fromfile(path, dtype=np.int64)
+    offsets[5] = offsets[7]
+    offsets.tofile(path)
+
+
 @pytest.mark.parametrize(
     "damage, message",
     [
@@ -192,6 +199,7 @@ def garbage_offsets(prepared: Path) -> None:
         (replace_tokenizer, "spm.model: not the SentencePiece model the data was encoded with"),
         (garbage_ids, "shard0.tgt.ids: token id 60000 is outside the vocabulary"),
         (garbage_offsets, "shard0.src.off: its offsets do not fit"),
+        (unordered_offsets, "shard0.tgt.off: its offsets do not fit"),
     ],
 )
 def test_damaged_prepared_data_is_one_line(
