@@ -71,6 +71,7 @@ def export_ctranslate2(checkpoint: str | Path, output: str | Path, quantization:
     tmp = make_temporary(output)
     try:
         _write(ctranslate2, spec, stored, tmp, quantization)
+        check_replaceable(output, MANIFEST, OWN_FILES, "--output", ExportError)  # again: still ours?
         replace_directory(output, tmp)
     finally:
         remove_temporary(tmp)

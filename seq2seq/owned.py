@@ -57,7 +57,8 @@ def check_replaceable(directory: Path, marker: str, ours: re.Pattern[str], what:
 
 
 def replace_directory(directory: Path, built: Path) -> None:
-    """Put the finished temporary `built` in place of `directory`, which `check_replaceable` accepted."""
+    """Put the finished temporary `built` in place of `directory`, which `check_replaceable` has just accepted
+    (call it right before: a user may have put a file there while the replacement was built)."""
     if directory.exists():
         for path in directory.iterdir():
             path.unlink()

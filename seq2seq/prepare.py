@@ -205,6 +205,7 @@ def prepare(
     try:
         manifest = _build(d, tmp, tokenizer, workers, shard_lines, pool_min_lines)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+        check_replaceable(directory, MANIFEST, OWN_FILES, "data.prepared_dir", DataError)  # again: still ours?
         replace_directory(directory, tmp)
     finally:
         remove_temporary(tmp)
