@@ -26,6 +26,7 @@ import hashlib
 import math
 import os
 import pickle
+import re
 import tempfile
 import zipfile
 from collections.abc import Mapping, Sequence
@@ -46,6 +47,7 @@ VERSION = 2  # 1: no version key (format "seq2seq-checkpoint-1"), no run id, no 
 _FORMAT_V1 = "seq2seq-checkpoint-1"
 LAST, BEST = "checkpoint_last.pt", "checkpoint_best.pt"
 _TMP_SUFFIX = ".tmp"
+_STALE = re.compile(r"\.checkpoint\w*\.pt\.\w+\.tmp")  # atomic_save's temporaries: .{name}.{random}.tmp
 
 
 @dataclass
@@ -341,7 +343,7 @@ def remove_stale_temporaries(directory: str | Path) -> list[Path]:
 
     Call only while holding the run directory's lock: another run's save in progress looks the same.
     """
-    stale = sorted(Path(directory).glob(f".checkpoint*{_TMP_SUFFIX}"))
+    stale = sorted(p for p in Path(directory).glob(f".checkpoint*{_TMP_SUFFIX}") if _STALE.fullmatch(p.name))
     for path in stale:
         path.unlink(missing_ok=True)
     return stale

@@ -16,12 +16,18 @@ that `seq2seq translate -c DIR` and `seq2seq evaluate -c DIR` run it
     print(sp.decode(pieces))
 
 The source EOS is appended by CTranslate2 (`add_source_eos`), as `translate` does.
+`seq2seq-manifest.json` records the sizes and sha256 of the files, checked when
+the directory is loaded (seq2seq.exported). The export is built in a temporary
+directory beside the output and moved in place: an existing output is replaced
+only when it is empty or an earlier export (its manifest and only its files).
 
 `ctranslate2` is an optional extra (`pip install -e ".[export]"`), imported only here.
 """
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +37,18 @@ from torch import Tensor, nn
 from seq2seq.checkpoint import Checkpoint, read
 from seq2seq.config import save_config
 from seq2seq.errors import UserError
-from seq2seq.exported import CONFIG, import_ctranslate2
+from seq2seq.exported import CONFIG, MANIFEST, import_ctranslate2, write_manifest
 from seq2seq.model import Seq2SeqTransformer
 from seq2seq.model.attention import MultiHeadAttention
 from seq2seq.model.layers import DecoderLayer, EncoderLayer, FeedForward
 from seq2seq.model.transformer import Decoder, Encoder
+from seq2seq.owned import check_replaceable, make_temporary, remove_temporary, replace_directory
 from seq2seq.tokenizer import Tokenizer
 
+OWN_FILES = re.compile(
+    r"model\.bin|config\.json|(shared|source|target)_vocabulary\.(json|txt)|spm(\.src|\.tgt)?\.model"
+    r"|seq2seq\.yaml|seq2seq-manifest\.json"
+)
 QUANTIZATIONS = ("int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16", "bfloat16", "float32")
 
 
@@ -50,21 +61,36 @@ def export_ctranslate2(checkpoint: str | Path, output: str | Path, quantization:
     ctranslate2 = import_ctranslate2()
     if quantization not in QUANTIZATIONS:
         raise ExportError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
-    output = Path(output)
-    if output.exists() and any(output.iterdir()):
-        raise ExportError(f"{output} exists and is not empty; choose a new directory")
+    output = Path(os.path.abspath(output))
+    check_replaceable(output, MANIFEST, OWN_FILES, "--output", ExportError)
     stored = read(checkpoint)
     _check_exportable(stored)
     model = stored.build_model("cpu")
     assert isinstance(model, Seq2SeqTransformer)  # _check_exportable refused the other architectures
     spec = _spec(ctranslate2.specs, stored, model)
+    tmp = make_temporary(output)
     try:
-        _converter(ctranslate2, spec).convert(str(output), quantization=_ct2_quantization(quantization), force=True)
+        _write(ctranslate2, spec, stored, tmp, quantization)
+        check_replaceable(output, MANIFEST, OWN_FILES, "--output", ExportError)  # again: still ours?
+        replace_directory(output, tmp)
+    finally:
+        remove_temporary(tmp)
+    return output
+
+
+def _write(ctranslate2: Any, spec: Any, stored: Checkpoint, out: Path, quantization: str) -> None:
+    """The CTranslate2 model, the tokenizer, the config and the manifest, into the (temporary) directory `out`."""
+    engine = out / "ctranslate2"  # CTranslate2 replaces the directory it writes: a subdirectory of its own
+    try:
+        _converter(ctranslate2, spec).convert(str(engine), quantization=_ct2_quantization(quantization), force=True)
     except (ValueError, RuntimeError) as e:  # CTranslate2's own checks of shapes and types
         raise ExportError(f"CTranslate2 refused the model: {str(e).splitlines()[0]}") from None
-    stored.tokenizer.save(output)  # spm.model, or spm.src.model and spm.tgt.model
-    save_config(stored.config, output / CONFIG)  # languages, test set and decode defaults for translate/evaluate
-    return output
+    for file in engine.iterdir():
+        file.rename(out / file.name)
+    engine.rmdir()
+    stored.tokenizer.save(out)  # spm.model, or spm.src.model and spm.tgt.model
+    save_config(stored.config, out / CONFIG)  # languages, test set and decode defaults for translate/evaluate
+    write_manifest(out, stored.config)
 
 
 def _check_exportable(stored: Checkpoint) -> None:

@@ -22,11 +22,20 @@ so with length_penalty != 0 its beam may keep other hypotheses; and a seed
 changed after loading (with_decode, a server request) does not reseed it. Token
 log-probabilities (JSONL output) come from CTranslate2 scoring each hypothesis.
 
+The directory is checked before it loads: `seq2seq-manifest.json`, written by
+the export, records the size and sha256 of every file the engine and the
+tokenizer read (model.bin, config.json, the vocabularies, the SentencePiece
+model(s)) and the model settings; a file that differs, a symbolic link, or a
+`seq2seq.yaml` whose model settings (max_positions...) differ from the exported
+model's is one line. A directory exported before the manifest existed loads with
+a warning that its files are not checked.
+
 `ctranslate2` is an optional extra (`pip install -e ".[export]"`), imported only here and in seq2seq.export.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import defaultdict
 from pathlib import Path
@@ -37,6 +46,7 @@ import torch
 from seq2seq.config import DecodeConfig, ExperimentConfig, from_dict, load_config, to_dict
 from seq2seq.data import pad
 from seq2seq.errors import UserError
+from seq2seq.owned import is_regular_file, sha256_file
 from seq2seq.search import Hypothesis, length_penalty, max_lengths
 from seq2seq.tokenizer import Tokenizer
 from seq2seq.translate import TextTranslator
@@ -45,6 +55,10 @@ from seq2seq.vocab import BOS, EOS, PAD, UNK
 log = logging.getLogger(__name__)
 
 CONFIG = "seq2seq.yaml"  # the checkpoint's experiment config, beside CTranslate2's config.json
+MANIFEST = "seq2seq-manifest.json"  # sizes and hashes of the exported files, and the model settings
+MANIFEST_FORMAT = 1
+SPM_FILES = (("spm.model",), ("spm.src.model", "spm.tgt.model"))  # shared, or source and target
+VOCABULARIES = ("shared_vocabulary", "source_vocabulary", "target_vocabulary")  # CTranslate2's, .json or .txt
 T = TypeVar("T", bound="CTranslate2Translator")
 
 
@@ -105,6 +119,9 @@ class CTranslate2Translator(TextTranslator):
         if not is_exported(path):
             raise UserError(f"{path} is not a CTranslate2 model directory (no model.bin); seq2seq export writes one")
         config = _read_config(path, list(overrides))
+        check_files(path, config)
+        tokenizer = _read_tokenizer(path)
+        _check_vocabulary_sizes(path, tokenizer)
         if decode:
             raw = to_dict(config)
             raw["decode"].update(decode)
@@ -116,7 +133,7 @@ class CTranslate2Translator(TextTranslator):
             engine = ctranslate2.Translator(str(path), device=device, intra_threads=threads, inter_threads=1)
         except (RuntimeError, ValueError) as e:  # a damaged model.bin, a device CTranslate2 was not built for
             raise UserError(f"CTranslate2 cannot load {path}: {str(e).splitlines()[0]}") from None
-        return cls(engine, _read_tokenizer(path), config, token_scores)
+        return cls(engine, tokenizer, config, token_scores)
 
     @property
     def max_positions(self) -> int:
@@ -231,10 +248,103 @@ def _read_config(path: Path, overrides: list[str]) -> ExperimentConfig:
     return load_config(path / CONFIG, overrides)
 
 
-def _read_tokenizer(path: Path) -> Tokenizer:
-    shared, src, tgt = path / "spm.model", path / "spm.src.model", path / "spm.tgt.model"
-    if shared.is_file():
-        return Tokenizer(shared.read_bytes())
-    if src.is_file() and tgt.is_file():
-        return Tokenizer(src.read_bytes(), tgt.read_bytes())
+def _tokenizer_files(path: Path) -> list[Path]:
+    for names in SPM_FILES:
+        if all((path / name).exists() or (path / name).is_symlink() for name in names):
+            return [path / name for name in names]
     raise UserError(f"{path} has no SentencePiece model (spm.model, or spm.src.model and spm.tgt.model)")
+
+
+def _read_tokenizer(path: Path) -> Tokenizer:
+    files = _tokenizer_files(path)
+    for file in files:
+        if not is_regular_file(file):
+            raise UserError(f"{file} is not a regular file (a symbolic link?); export the model again")
+    try:
+        return Tokenizer(*(file.read_bytes() for file in files))
+    except (RuntimeError, OSError) as e:
+        raise UserError(
+            f"{files[0]}: not a readable SentencePiece model ({str(e)[:80]}); export the model again"
+        ) from None
+
+
+def _vocabulary_files(path: Path) -> list[Path]:
+    return [
+        path / f"{name}.{ext}" for name in VOCABULARIES for ext in ("json", "txt") if (path / f"{name}.{ext}").exists()
+    ]
+
+
+def write_manifest(path: Path, config: ExperimentConfig) -> None:
+    """Record the size and sha256 of every file in an export (but the editable seq2seq.yaml), and its model."""
+    files = {
+        file.name: {"size": file.stat().st_size, "sha256": sha256_file(file)}
+        for file in sorted(path.iterdir())
+        if file.name not in (CONFIG, MANIFEST) and not file.name.startswith(".")  # not a temporary's marker
+    }
+    manifest = {"format": MANIFEST_FORMAT, "files": files, "model": to_dict(config)["model"]}
+    (path / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+
+
+def check_files(path: Path, config: ExperimentConfig) -> None:
+    """The files the engine and the tokenizer read, as exported; the model settings, as the model's."""
+    if not (path / MANIFEST).exists():
+        log.warning("%s has no %s (exported by an older seq2seq): its files are not checked; export it again to "
+                    "have them checked", path, MANIFEST)  # fmt: skip
+        return
+    manifest = _read_manifest(path)
+    read = [path / "model.bin", path / "config.json", *_tokenizer_files(path), *_vocabulary_files(path)]
+    for file in read:
+        entry = manifest["files"].get(file.name)
+        if entry is None:
+            raise UserError(f"{file} is not one of the files {path / MANIFEST} lists; export the model again")
+        _check_file(file, entry)
+    model = to_dict(config)["model"]
+    for key, exported in manifest["model"].items():
+        value = model.get(key)
+        if value != exported:
+            raise UserError(
+                f"{path / CONFIG}: model.{key} is {value}, but the exported model has {exported}; "
+                f"set it back to {exported}"
+            )
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    where = path / MANIFEST
+    try:
+        manifest = json.loads(where.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise UserError(f"{where}: not readable ({str(e)[:80]}); export the model again") from None
+    valid = (
+        isinstance(manifest, dict)
+        and manifest.get("format") == MANIFEST_FORMAT
+        and isinstance(manifest.get("model"), dict)
+        and isinstance(manifest.get("files"), dict)
+        and all(
+            isinstance(e, dict) and isinstance(e.get("size"), int) and isinstance(e.get("sha256"), str)
+            for e in manifest["files"].values()
+        )
+    )
+    if not valid:
+        raise UserError(f"{where}: not a manifest of this seq2seq version (missing keys?); export the model again")
+    return manifest
+
+
+def _check_file(file: Path, entry: dict[str, Any]) -> None:
+    if not is_regular_file(file):
+        raise UserError(f"{file} is not a regular file (a symbolic link?); export the model again")
+    if file.stat().st_size != entry["size"] or sha256_file(file) != entry["sha256"]:
+        raise UserError(f"{file} does not match {MANIFEST} (damaged or replaced since the export); export it again")
+
+
+def _check_vocabulary_sizes(path: Path, tokenizer: Tokenizer) -> None:
+    """CTranslate2's vocabularies hold one entry per SentencePiece piece (checked for old exports too)."""
+    sizes = {"shared": tokenizer.src_vocab_size, "source": tokenizer.src_vocab_size, "target": tokenizer.tgt_vocab_size}
+    for file in _vocabulary_files(path):
+        try:
+            text = file.read_text(encoding="utf-8")
+            entries = len(json.loads(text)) if file.suffix == ".json" else len(text.splitlines())
+        except (OSError, ValueError, TypeError) as e:
+            raise UserError(f"{file}: not a readable vocabulary ({str(e)[:80]}); export the model again") from None
+        expected = sizes[file.stem.removesuffix("_vocabulary")]
+        if entries != expected:
+            raise UserError(f"{file} has {entries} entries, the SentencePiece model {expected}; export the model again")

@@ -14,6 +14,13 @@ Each shard holds lines of one training set (`data.train` may list several).
 plus the SentencePiece model(s) and `manifest.json`, which records the source
 files (size, mtime, a sampled content fingerprint), the settings the data
 depends on and the tokenizer's hash: any difference rebuilds the directory.
+It also records each shard file's size and largest token id, checked when the
+data is opened: a truncated shard, garbage ids or a replaced SentencePiece
+model is one line, never silent training on wrong data.
+
+Only a directory holding this manifest and nothing but these files (or an
+empty or missing one) is ever replaced: a `data.prepared_dir` that names the
+corpus, a run directory or any other tree is refused (seq2seq.owned).
 Memory stays constant in the corpus size, except for the SentencePiece sample
 (`data.spm_sample` sentences at most, drawn by reservoir sampling).
 """
@@ -27,7 +34,7 @@ import logging
 import multiprocessing
 import os
 import random
-import shutil
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
@@ -39,14 +46,21 @@ import numpy as np
 
 from seq2seq.config import DataConfig
 from seq2seq.data import decode_lines, find_file, misaligned, no_pairs
-from seq2seq.errors import DataError
+from seq2seq.errors import ConfigError, DataError
+from seq2seq.owned import check_replaceable, is_regular_file, make_temporary, remove_temporary, replace_directory
 from seq2seq.tokenizer import Tokenizer, train_tokenizer
 from seq2seq.vocab import EOS
 
 log = logging.getLogger("seq2seq.prepare")
 
-FORMAT = 1
+FORMAT = 2  # 2: shard sizes and largest ids recorded
 MANIFEST = "manifest.json"
+OWN_FILES = re.compile(r"manifest\.json|spm(\.src|\.tgt)?\.model|shard\d+\.((src|tgt)\.(txt|txtoff|ids|off)|len|line)")
+SHARD_FILES = (
+    *(f"{side}.{kind}" for side in ("src", "tgt") for kind in ("txt", "txtoff", "ids", "off")),
+    "len",
+    "line",
+)
 SHARD_LINES = 1_000_000
 CHUNK_LINES = 20_000  # lines one worker encodes at a time
 POOL_MIN_LINES = 100_000  # smaller corpora are encoded in this process: starting workers would cost more
@@ -83,11 +97,51 @@ def read_manifest(directory: Path) -> dict[str, Any] | None:
     return manifest
 
 
+def manifest_problem(manifest: Any) -> str:
+    """What is wrong with a manifest's structure ('' if nothing): keys, types, shard entries."""
+    if not isinstance(manifest, dict):
+        return "not a JSON object"
+    kinds = {"sources": list, "settings": dict, "tokenizer": str, "dtype": str, "shards": list, "pairs": int}
+    for key, kind in kinds.items():
+        if not isinstance(manifest.get(key), kind):
+            return f"'{key}' is missing or not a {kind.__name__}"
+    if manifest["dtype"] not in ("uint16", "uint32"):
+        return f"'dtype' is {manifest['dtype']!r}"
+    if not manifest["shards"]:
+        return "no shards"
+    for k, shard in enumerate(manifest["shards"]):
+        problem = _shard_problem(shard, k)
+        if problem:
+            return f"shards[{k}]: {problem}"
+    return ""
+
+
+def _shard_problem(shard: Any, k: int) -> str:
+    if not isinstance(shard, dict) or shard.get("name") != f"shard{k}":
+        return f"not an object named shard{k}"
+    counts = [shard.get(key) for key in ("pairs", "set", "lines")]
+    if not all(_is_count(n) for n in counts):
+        return "'pairs', 'set' or 'lines' is missing or not a count"
+    sizes, max_id = shard.get("sizes"), shard.get("max_id")
+    if not isinstance(sizes, dict) or sorted(sizes) != sorted(SHARD_FILES) or not all(map(_is_count, sizes.values())):
+        return "'sizes' is missing or not a size per shard file"
+    if not isinstance(max_id, list) or len(max_id) != 2 or not all(isinstance(n, int) for n in max_id):
+        return "'max_id' is missing or not [source, target]"
+    return ""
+
+
+def _is_count(n: Any) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
+
+
 def stale_reason(directory: Path, d: DataConfig, tokenizer: Tokenizer | None) -> str:
     """Why the prepared data in `directory` cannot be used for `d` ('' if it can)."""
     manifest = read_manifest(directory)
-    if manifest is None or manifest.get("format") != FORMAT:
+    if manifest is None or not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         return "no prepared data"
+    problem = manifest_problem(manifest)
+    if problem:
+        return f"its {MANIFEST} is damaged ({problem})"
     changed = [key for key in SETTINGS if manifest["settings"].get(key) != settings(d)[key]]
     if changed:
         return f"data.{changed[0]} changed"
@@ -110,13 +164,28 @@ def settings(d: DataConfig) -> dict[str, Any]:
 
 
 def ensure_prepared(d: DataConfig, directory: Path, tokenizer: Tokenizer | None = None, workers: int = 0) -> None:
-    """Prepare `directory` unless it already holds this data (with this tokenizer, when one is given)."""
+    """Prepare `directory` unless it already holds this data (with this tokenizer, when one is given);
+    data it reuses is checked against its manifest first."""
+    directory = _check_location(d, directory)
     reason = stale_reason(directory, d, tokenizer)
     if reason:
         log.debug("preparing %s into %s (%s)", d.train, directory, reason)  # errors stay one line
         prepare(d, directory, tokenizer, workers)
     else:
+        PreparedCorpus(directory)  # a damaged shard or a replaced tokenizer: one line now, not mid-training
         log.info("using the prepared data in %s", directory)
+
+
+def _check_location(d: DataConfig, directory: Path) -> Path:
+    """The prepared directory as an absolute path ("." included); refused if rebuilding it could take the corpus."""
+    directory = Path(os.path.abspath(directory))
+    corpus, prepared = Path(d.dir).resolve(), directory.resolve()
+    if prepared == corpus or prepared in corpus.parents:
+        raise ConfigError(
+            f"data.prepared_dir={directory} is or contains data.dir={d.dir}: preparing there would replace "
+            "the corpus; choose another data.prepared_dir"
+        )
+    return directory
 
 
 def prepare(
@@ -127,17 +196,19 @@ def prepare(
     shard_lines: int = SHARD_LINES,
     pool_min_lines: int = POOL_MIN_LINES,
 ) -> dict[str, Any]:
-    """Build the prepared directory in a temporary one, then swap it in; returns the manifest."""
-    tmp = directory.with_name(directory.name + f".tmp{os.getpid()}")
-    _remove_abandoned(directory)
-    tmp.mkdir(parents=True)
+    """Build the prepared directory in a temporary one, then swap it in; returns the manifest.
+
+    `directory` is replaced only if it is missing, empty or an earlier preparation (seq2seq.owned)."""
+    directory = _check_location(d, directory)
+    check_replaceable(directory, MANIFEST, OWN_FILES, "data.prepared_dir", DataError)
+    tmp = make_temporary(directory)
     try:
         manifest = _build(d, tmp, tokenizer, workers, shard_lines, pool_min_lines)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
-        shutil.rmtree(directory, ignore_errors=True)
-        tmp.rename(directory)
+        check_replaceable(directory, MANIFEST, OWN_FILES, "data.prepared_dir", DataError)  # again: still ours?
+        replace_directory(directory, tmp)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_temporary(tmp)
     shards, dropped = len(manifest["shards"]), manifest["dropped"]
     log.info("prepared %d pairs in %d shard(s) (dropped %d empty, %d over-long)", manifest["pairs"], shards,
              dropped["empty"], dropped["too_long"])  # fmt: skip
@@ -161,8 +232,9 @@ def _build(
     tokenizer.save(out)
     pool = max(1, workers or os.cpu_count() or 1) if split.lines >= pool_min_lines else 1
     shards, dropped = encode_shards(out, split.shard_lines, tokenizer, d.max_len, pool)
-    for shard, number in zip(shards, split.shard_sets):
-        shard["set"] = number
+    for shard, number, lines in zip(shards, split.shard_sets, split.shard_lines):
+        sizes = {suffix: (out / f"{shard['name']}.{suffix}").stat().st_size for suffix in SHARD_FILES}
+        shard.update(set=number, lines=lines, sizes=sizes)
     pairs = sum(shard["pairs"] for shard in shards)
     if not pairs:
         raise DataError(f"{where}: no sentence pairs left after filtering")
@@ -177,24 +249,6 @@ def _build(
         "pairs": pairs,
         "dropped": dropped,
     }
-
-
-def _remove_abandoned(directory: Path) -> None:
-    """Temporary directories of preparations that were killed (their process is gone)."""
-    for tmp in directory.parent.glob(directory.name + ".tmp*"):
-        pid = tmp.name.rpartition(".tmp")[2]
-        if pid.isdigit() and (int(pid) == os.getpid() or not _alive(int(pid))):
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def id_dtype(tokenizer: Tokenizer) -> np.dtype[Any]:
@@ -344,18 +398,20 @@ def _write_shards(
 ) -> tuple[list[dict[str, Any]], dict[str, int]]:
     dropped = np.zeros(2, dtype=np.int64)
     parts: dict[str, list[list[np.ndarray]]] = {f"shard{k}": [[], [], []] for k in range(len(shard_lines))}
+    max_ids = {name: [-1, -1] for name in parts}  # recorded, and checked against the ids when opened
     files: dict[str, list[BinaryIO]] = {}
     for (_, name, *_), (src, src_len, tgt, tgt_len, lines, drops) in zip(tasks, results):
         if name not in files:
             files[name] = [open(directory / f"{name}.{side}.ids", "wb") for side in ("src", "tgt")]
-        src.tofile(files[name][0])
-        tgt.tofile(files[name][1])
+        for side, (f, ids) in enumerate(zip(files[name], (src, tgt))):
+            ids.tofile(f)
+            max_ids[name][side] = max(max_ids[name][side], int(ids.max()) if len(ids) else -1)
         for store, array in zip(parts[name], (src_len, tgt_len, lines)):
             store.append(array)
         dropped += drops
     for f in (f for pair in files.values() for f in pair):
         f.close()
-    shards = [_finish_shard(directory, name, *store) for name, store in parts.items()]
+    shards = [{**_finish_shard(directory, name, *store), "max_id": max_ids[name]} for name, store in parts.items()]
     return shards, {"empty": int(dropped[0]), "too_long": int(dropped[1])}
 
 
@@ -377,25 +433,27 @@ def _finish_shard(
 class PreparedCorpus:
     """The pairs of a prepared directory, addressed by a global index in corpus order.
 
-    Pickles as its path, so DataLoader workers reopen the memory maps instead of copying them.
+    Opening checks the files against the manifest (`verify`: sizes, offsets, the largest ids, the tokenizer's
+    hash), so damaged data is one line here. Pickles as its path, so DataLoader workers reopen the memory maps
+    instead of copying them, without checking again.
     """
 
-    def __init__(self, directory: str | Path) -> None:
+    def __init__(self, directory: str | Path, verify: bool = True) -> None:
         self.directory = Path(directory)
-        manifest = read_manifest(self.directory)
-        if manifest is None:
-            raise DataError(f"{self.directory}: no prepared data (run `seq2seq prepare`)")
-        self.manifest = manifest
+        manifest = self.manifest = _open_manifest(self.directory)
         self.names = [shard["name"] for shard in manifest["shards"]]
+        self._maps: dict[str, np.ndarray] = {}
+        self.tokenizer = _load_tokenizer(self.directory, manifest["tokenizer"])
+        if verify:
+            for shard in manifest["shards"]:
+                self._verify_shard(shard)
         self.starts = np.cumsum([0] + [shard["pairs"] for shard in manifest["shards"]])
         self.lengths = np.concatenate([np.fromfile(self.directory / f"{n}.len", dtype=np.uint16) for n in self.names])
-        self.tokenizer = _load_tokenizer(self.directory)
         sets = [shard.get("set", 0) for shard in manifest["shards"]]
         self.set_ranges = [  # [first, last + 1) pair of each training set: its shards are consecutive
             (int(self.starts[sets.index(k)]), int(self.starts[len(sets) - sets[::-1].index(k)]))
             for k in sorted(set(sets))
         ]
-        self._maps: dict[str, np.ndarray] = {}
 
     def __len__(self) -> int:
         return int(self.starts[-1])
@@ -416,7 +474,33 @@ class PreparedCorpus:
         return {"directory": self.directory}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["directory"])  # type: ignore[misc]
+        self.__init__(state["directory"], verify=False)  # type: ignore[misc]
+
+    def _verify_shard(self, shard: dict[str, Any]) -> None:
+        """Sizes as recorded, offsets that fit the ids, and the largest id as recorded and inside the vocabulary."""
+        name = shard["name"]
+        for suffix, size in shard["sizes"].items():
+            path = self.directory / f"{name}.{suffix}"
+            found = path.stat().st_size if is_regular_file(path) else None
+            if found != size:
+                what = "missing or not a regular file" if found is None else f"{found} bytes"
+                raise self._damaged(path, f"{what}, but {MANIFEST} says {size} (truncated or replaced?)")
+        vocab = (self.tokenizer.src_vocab_size, self.tokenizer.tgt_vocab_size)
+        for side, recorded, limit in zip(("src", "tgt"), shard["max_id"], vocab):
+            path = self.directory / f"{name}.{side}.ids"
+            ids = self._map(path.name, self.manifest["dtype"]) if path.stat().st_size else np.zeros(0, np.uint16)
+            offsets = self._map(f"{name}.{side}.off", np.int64)
+            fits = len(offsets) == shard["pairs"] + 1 and offsets[0] == 0 and offsets[-1] == len(ids)
+            if not fits or bool((np.diff(offsets) <= 0).any()):  # every pair holds at least its EOS
+                raise self._damaged(path.with_suffix(".off"), f"its offsets do not fit {path.name} (garbage?)")
+            largest = int(ids.max()) if len(ids) else -1
+            if largest >= limit:
+                raise self._damaged(path, f"token id {largest} is outside the vocabulary of {limit} (garbage ids?)")
+            if largest != recorded:
+                raise self._damaged(path, f"its largest token id is {largest}, but {MANIFEST} says {recorded}")
+
+    def _damaged(self, path: Path, problem: str) -> DataError:
+        return DataError(f"{path}: {problem}; delete {self.directory} and run `seq2seq prepare` to prepare it again")
 
     def _map(self, name: str, dtype: Any) -> np.ndarray:
         if name not in self._maps:
@@ -448,8 +532,33 @@ class PreparedCorpus:
         return out[0], out[1]
 
 
-def _load_tokenizer(directory: Path) -> Tokenizer:
+def _open_manifest(directory: Path) -> dict[str, Any]:
+    """The manifest of a prepared directory, its structure checked; one line if it has none or a damaged one."""
+    manifest = read_manifest(directory)
+    if manifest is None:
+        raise DataError(f"{directory}: no prepared data (run `seq2seq prepare`)")
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise DataError(f"{directory}: prepared by another version of seq2seq (run `seq2seq prepare` again)")
+    problem = manifest_problem(manifest)
+    if problem:
+        raise DataError(f"{directory / MANIFEST}: {problem} (run `seq2seq prepare` to prepare the data again)")
+    return manifest
+
+
+def _load_tokenizer(directory: Path, expected: str) -> Tokenizer:
+    """The SentencePiece model(s) of a prepared directory, checked against the hash its manifest records."""
     shared = directory / "spm.model"
-    if shared.is_file():
-        return Tokenizer(shared.read_bytes())
-    return Tokenizer((directory / "spm.src.model").read_bytes(), (directory / "spm.tgt.model").read_bytes())
+    paths = (
+        [shared] if shared.exists() or shared.is_symlink() else [directory / f"spm.{s}.model" for s in ("src", "tgt")]
+    )
+    damaged = f"delete {directory} and run `seq2seq prepare` to prepare it again"
+    for path in paths:
+        if not is_regular_file(path):
+            raise DataError(f"{path}: missing or not a regular file; {damaged}")
+    try:
+        tokenizer = Tokenizer(*(path.read_bytes() for path in paths))
+    except (RuntimeError, OSError) as e:
+        raise DataError(f"{paths[0]}: not a readable SentencePiece model ({str(e)[:80]}); {damaged}") from None
+    if tokenizer_hash(tokenizer) != expected:
+        raise DataError(f"{paths[0]}: not the SentencePiece model the data was encoded with (replaced?); {damaged}")
+    return tokenizer

@@ -9,10 +9,14 @@
     RUN/checkpoint_step{N}.pt   the last train.keep_last validation checkpoints
     RUN/checkpoint_avg.pt       their average (train.average_last)
     RUN/.lock                   held by the training process; holds its pid
+    RUN/run_id                  the id of the run, written when it starts
 
 Every checkpoint carries the id of the run that wrote it. Rotation and
 averaging only ever touch the current run's step checkpoints, and a fresh run
-refuses a directory that already holds another run's checkpoints.
+refuses a directory that already holds another run's checkpoints. The run_id
+file lets a rerun recognise its own checkpoints when the first save was
+interrupted before checkpoint_last (a kill, a full disk): it starts over
+instead of refusing them.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from seq2seq import checkpoint as ckpt
 from seq2seq.errors import RunDirError
 
 log = logging.getLogger("seq2seq.train")
+
+RUN_ID = "run_id"
 
 
 def new_run_id() -> str:
@@ -67,6 +73,10 @@ class RunDirectory:
     @property
     def tensorboard(self) -> Path:
         return self.path / "tb"
+
+    @property
+    def run_id_file(self) -> Path:
+        return self.path / RUN_ID
 
     def step(self, step: int) -> Path:
         return self.path / f"checkpoint_step{step}.pt"
@@ -122,14 +132,41 @@ class RunDirectory:
         """checkpoint_last to resume from; None for a fresh run, which must not find another run's checkpoints."""
         if self.last.exists():
             return ckpt.read(self.last)
-        foreign = sorted(p.name for p in self.path.glob("checkpoint*.pt"))
-        if foreign:
+        found = sorted(p.name for p in self.path.glob("checkpoint*.pt"))
+        if found and self._left_by_this_run(found):
+            log.info("%s holds %s but no %s: this run's first save was interrupted; starting the run over",
+                     self.path, ", ".join(found), ckpt.LAST)  # fmt: skip
+            return None
+        if found:
             raise RunDirError(
-                f"{self.path} holds checkpoints of an earlier run ({', '.join(foreign[:3])}"
-                f"{', ...' if len(foreign) > 3 else ''}) but no {ckpt.LAST} to resume from; "
+                f"{self.path} holds checkpoints of an earlier run ({', '.join(found[:3])}"
+                f"{', ...' if len(found) > 3 else ''}) but no {ckpt.LAST} to resume from; "
                 "move them away or choose another train.run_dir"
             )
         return None
+
+    def _left_by_this_run(self, names: list[str]) -> bool:
+        """Whether every file in `names` carries the id recorded in the run_id file."""
+        recorded = self.recorded_run_id()
+        return recorded is not None and all(ckpt.peek_run_id(self.path / name) == recorded for name in names)
+
+    def recorded_run_id(self) -> str | None:
+        """The id in the run_id file (None without a valid one)."""
+        try:
+            text = self.run_id_file.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError):
+            return None
+        return text if len(text) == len(new_run_id()) and all(c in "0123456789abcdef" for c in text) else None
+
+    def fresh_run_id(self, record: bool = True) -> str:
+        """The id of a run starting here without checkpoint_last: the recorded one (an earlier attempt of this
+        run), else a new one. `record` (the main process) writes it to the run_id file first."""
+        run_id = self.recorded_run_id() or new_run_id()
+        if record:
+            tmp = self.path / f".{RUN_ID}.{os.getpid()}.tmp"
+            tmp.write_text(run_id + "\n", encoding="utf-8")
+            tmp.rename(self.run_id_file)  # atomic: a reader sees the old file or the new one
+        return run_id
 
     def save(self, checkpoint: ckpt.Checkpoint, best: bool = False, keep_last: int = 0) -> None:
         """checkpoint_best (if `best`), a step checkpoint (if `keep_last`, pruning this run's older ones),

@@ -67,7 +67,7 @@ def test_export_refuses_bad_requests(trained_run: Path, tmp_path: Path, capsys: 
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("mine")
     assert main(["export", checkpoint, "-o", str(tmp_path / "full")]) == 1
-    assert "exists and is not empty" in capsys.readouterr().err
+    assert "holds files seq2seq did not write there (keep.txt)" in capsys.readouterr().err
     assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
     stored = ckpt.read(checkpoint)
     rope = dataclasses.replace(stored.config, model=dataclasses.replace(stored.config.model, positions="rope"))

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import gzip
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -123,3 +125,23 @@ def test_several_training_sets_are_prepared_together_and_upsampled_by_weight(tmp
     other = load_config(TINY, tiny_overrides(corpus, tmp_path / "run", "data.train=[train, 'extra:3']")).data
     assert stale_reason(tmp_path / "p", other, None) == ""
     assert stale_reason(tmp_path / "p", data_config(corpus), None) == "data.train changed"
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda m: m.pop("shards"), "'shards' is missing or not a list"),
+        (lambda m: m.update(dtype="float64"), "'dtype' is 'float64'"),
+        (lambda m: m["shards"][0].update(pairs="12"), r"shards\[0\]: 'pairs', 'set' or 'lines'"),
+        (lambda m: m["shards"][0].update(max_id=[1]), r"shards\[0\]: 'max_id' is missing"),
+        (lambda m: m["shards"][0]["sizes"].pop("len"), r"shards\[0\]: 'sizes' is missing"),
+        (lambda m: m.update(format=1), "prepared by another version of seq2seq"),
+    ],
+)
+def test_opening_checks_the_manifest(tmp_path: Path, change: Any, message: str) -> None:
+    corpus = write_corpus(tmp_path / "corpus", n_train=100)
+    manifest = prepare(data_config(corpus), tmp_path / "p")
+    change(manifest)
+    (tmp_path / "p" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match=message):
+        PreparedCorpus(tmp_path / "p")

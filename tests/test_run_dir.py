@@ -185,3 +185,35 @@ def test_prepare_refuses_a_directory_that_a_train_holds(
         run.release()
     assert main(["prepare", "--config", str(TINY), *overrides(small, run.path)]) == 0
     assert (run.path / "prepared").is_dir()
+
+
+def test_a_kill_inside_the_first_save_is_rerun_from_the_start(
+    small: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Killed after checkpoint_best, before the first checkpoint_last: the rerun knows those files as its own."""
+    run = tmp_path / "run"
+    settings = ("train.max_steps=3", "train.valid_every=2", "train.keep_last=2")
+    args = ["train", "--config", str(TINY), *overrides(small, run, *settings)]
+    child = textwrap.dedent(f"""
+        import os, signal
+        from seq2seq import checkpoint
+        from seq2seq.cli import main
+        real = os.replace
+        def replace(src, dst):
+            if str(dst).endswith("{ckpt.LAST}"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            real(src, dst)
+        checkpoint.os.replace = replace
+        main({args!r})
+    """)
+    proc = subprocess.run([sys.executable, "-c", child], cwd=ROOT, env=single_thread_env(), capture_output=True)
+    assert proc.returncode == -signal.SIGKILL
+    assert sorted(p.name for p in run.glob("checkpoint*.pt")) == ["checkpoint_best.pt", "checkpoint_step2.pt"]
+    run_id = (run / "run_id").read_text().strip()
+    assert ckpt.peek_run_id(run / ckpt.BEST) == run_id
+    capsys.readouterr()
+    assert cli_train(small, run, *settings) == 0
+    assert "this run's first save was interrupted; starting the run over" in capsys.readouterr().err
+    last = ckpt.read(run / ckpt.LAST)
+    assert last.run_id == run_id and last.training is not None and last.training.progress.step == 3
+    assert RunDirectory(run).step_checkpoints(run_id) == [run / "checkpoint_step2.pt", run / "checkpoint_step3.pt"]

@@ -27,7 +27,7 @@ from typing import Any
 
 from seq2seq.checkpoint import Checkpoint, Progress, TrainingState
 from seq2seq.config import ExperimentConfig, save_config
-from seq2seq.run_dir import RunDirectory, new_run_id
+from seq2seq.run_dir import RunDirectory
 from seq2seq.tokenizer import Tokenizer
 from seq2seq.training import distributed as dist
 from seq2seq.training import monitor
@@ -72,7 +72,7 @@ class Trainer:
         self.device, precision = setup_device(cfg.train)  # joins the process group under torchrun
         self.main = dist.is_main()
         resume, changes = self._claim_run_dir()
-        self.run_id = resume.run_id if resume else new_run_id()
+        self.run_id = resume.run_id if resume else self.run.fresh_run_id(record=self.main)
         corpus = prepared_corpus(cfg, resume.tokenizer if resume else tokenizer)
         self.tokenizer = corpus.tokenizer
         self.epochs = training_data(cfg, corpus)
