@@ -224,7 +224,7 @@ def test_average_refuses_checkpoints_of_different_models(
     save_model(tmp_path / "a.pt", model_with_seed(cfg, tokenizer, 0), tokenizer, cfg)
     wider = load_config(TINY, ["model.d_ff=256"])
     save_model(tmp_path / "b.pt", model_with_seed(wider, tokenizer, 0), tokenizer, wider)
-    with pytest.raises(CheckpointError, match="has shape"):
+    with pytest.raises(CheckpointError, match="model.d_ff is 256, not 128"):
         average_checkpoints([tmp_path / "a.pt", tmp_path / "b.pt"], tmp_path / "avg.pt")
     with pytest.raises(CheckpointError, match="no checkpoints"):
         average_checkpoints([], tmp_path / "avg.pt")

@@ -102,6 +102,7 @@ def restore(
 ) -> Progress:
     """Load a checkpoint's weights and training state into a freshly built model; returns its progress."""
     assert resume.training is not None  # check_resumable refuses a checkpoint without it
+    resume.check_resumable_into(optimizer, scaler, str(run.last))
     model.load_state_dict(resume.model)
     optimizer.load_state_dict(resume.training.optimizer)
     scaler.load_state_dict(resume.training.scaler)
