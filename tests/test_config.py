@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -141,13 +142,13 @@ def test_d_model_not_divisible_by_heads(tmp_path: Path) -> None:
         (["train.eps=0"], "train.eps must be positive"),
         (["data.shared_vocab=false"], "model.share_all_embeddings needs data.shared_vocab"),
         (["data.max_len=600"], "data.max_len (600) must be below model.max_positions (512)"),
-        (["data.sampling_nbest=1"], "data.sampling_nbest must be -1 or >= 2"),
+        (["data.sampling_nbest=1"], "data.sampling_nbest must be -1 or in [2, 1024]"),
         (["train.rdrop_alpha=-1"], "train.rdrop_alpha must be >= 0"),
         (["train.rdrop_alpha=5", "model.dropout=0"], "train.rdrop_alpha compares two dropout passes"),
         (["data.spm_model_type=bpe", "data.sampling_alpha=1"], "data.sampling_alpha is a dropout probability"),
         (["decode.beam_size=2", "decode.nbest=3"], "decode.nbest (3) must not exceed decode.beam_size (2)"),
         (["model.positions=rope", "model.d_model=12", "model.n_heads=4"], "d_model / model.n_heads (3) must be even"),
-        (["model.max_relative_distance=0"], "model.max_relative_distance must be at least 1"),
+        (["model.max_relative_distance=0"], "model.max_relative_distance must be in [1, 65536]"),
         (["model.rnn.hidden_size=33"], "model.rnn.hidden_size (33) must be even with model.rnn.bidirectional"),
         (["model.rnn.attention=bahdanau"], "model.rnn.attention must be one of none, dot, general, mlp"),
         (["model.rnn.cel=gru"], "did you mean 'model.rnn.cell'"),
@@ -204,7 +205,7 @@ def test_apply_overrides_returns_a_validated_copy() -> None:
     cfg = ExperimentConfig()
     changed = apply_overrides(cfg, ["decode.beam_size=3"])
     assert changed.decode.beam_size == 3 and cfg.decode.beam_size == 5
-    with pytest.raises(ConfigError, match="decode.beam_size must be at least 1"):
+    with pytest.raises(ConfigError, match="decode.beam_size must be in \\[1, 1024\\]"):
         apply_overrides(cfg, ["decode.beam_size=0"])
 
 
@@ -243,3 +244,45 @@ def test_configs_without_the_architecture_keys_get_todays_transformer() -> None:
     old = from_dict(raw)
     assert old == ExperimentConfig()
     assert (old.model.arch, old.model.norm_type, old.model.positions) == ("transformer", "layernorm", "sinusoidal")
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "model.d_model=1099511627776",
+        "model.n_heads=4096",
+        "model.d_ff=1099511627776",
+        "model.encoder_layers=100000",
+        "model.decoder_layers=100000",
+        "model.max_positions=1099511627776",
+        "model.max_relative_distance=1099511627776",
+        "model.rnn.layers=100000",
+        "model.rnn.hidden_size=1099511627776",
+        "decode.beam_size=1099511627776",
+        "data.sampling_nbest=1099511627776",
+    ],
+)
+def test_absurd_sizes_are_refused_with_their_limit(override: str) -> None:
+    """Sizes that fit in int64 but no memory: refused at load time, naming the key and the allowed range."""
+    key = override.split("=")[0]
+    assert re.search(rf"{re.escape(key)} must be (-1 or )?in \[\d+, \d+\]", config_error(None, override))
+
+
+def test_average_last_needs_as_many_kept_checkpoints() -> None:
+    message = config_error(None, "train.keep_last=0", "train.average_last=3")
+    assert "train.average_last (3) must not exceed train.keep_last (0)" in message
+
+
+def test_yaml_aliases_are_refused(tmp_path: Path) -> None:
+    """A few nested aliases expand a few KB into gigabytes; anchors without aliases are harmless."""
+    bomb = "a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
+    assert "exp.yaml:2: YAML aliases (*name) are not supported" in config_error(write(tmp_path, bomb))
+    assert load_config(write(tmp_path, "train: &t\n  seed: 3\n")).train.seed == 3
+    assert "train.betas" in config_error(None, "train.betas=[&x 0.9, *x]")  # kept as text, then refused
+
+
+def test_config_files_must_be_small_regular_files(tmp_path: Path) -> None:
+    assert "/dev/zero: not a regular file" in config_error(Path("/dev/zero"))
+    assert "Is a directory" in config_error(tmp_path)
+    big = write(tmp_path, "# padding\n" * 200_000)
+    assert "larger than 1 MiB; not a config file" in config_error(big)
