@@ -229,11 +229,13 @@ def _download(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
+    from seq2seq.training.distributed import peer_failures
     from seq2seq.training.trainer import Trainer
 
     try:
-        trainer = Trainer(cfg)
-        trainer.fit()
+        with peer_failures():
+            trainer = Trainer(cfg)
+            trainer.fit()
     except KeyboardInterrupt:  # before training started, or a second Ctrl-C
         print("seq2seq: interrupted; checkpoint_last.pt (if any) holds the last saved state", file=sys.stderr)
         return 130
