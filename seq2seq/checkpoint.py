@@ -113,10 +113,10 @@ class TrainingState:
         scaler = _expect(raw.get("scaler"), dict, f"{source}: train_state.scaler")
         return cls(Progress.from_dict(raw.get("progress"), source), optimizer, scaler)
 
-    def check_fits(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, source: str) -> None:
+    def check_fits(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None, source: str) -> None:
         """The stored optimizer and scaler states must describe these: their `load_state_dict` checks little."""
         _check_optimizer_state(self.optimizer, optimizer, f"{source}: train_state.optimizer")
-        if scaler.is_enabled():
+        if scaler is not None and scaler.is_enabled():
             _check_same_kinds(self.scaler, scaler.state_dict(), f"{source}: train_state.scaler")
 
 
@@ -230,7 +230,9 @@ class Checkpoint:
             averaged_from=[str(p) for p in averaged],
         )
 
-    def check_resumable_into(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, source: str) -> None:
+    def check_resumable_into(
+        self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None, source: str
+    ) -> None:
         """Weights, optimizer and scaler states that fit the model being resumed; one line naming `source` if not."""
         assert self.training is not None
         try:

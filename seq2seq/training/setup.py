@@ -130,6 +130,9 @@ def check_resumable(resume: Checkpoint, cfg: ExperimentConfig, run: RunDirectory
                 f"cannot resume {run.path}: the config does not match its checkpoint: {key} is {new}, but the run "
                 f"was started with {old} and its tokenizer, data and weights depend on it"
             )
+    with torch.device("meta"):  # the model and optimizer being resumed, without memory: refuse before any log
+        model = build_model(cfg.model, resume.tokenizer.src_vocab_size, resume.tokenizer.tgt_vocab_size)
+    resume.check_resumable_into(build_optimizer(model, cfg.train), None, str(run.last))
     return [f"{key}: {old} -> {new}" for key, old, new in changes]
 
 
