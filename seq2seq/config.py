@@ -27,8 +27,8 @@ from seq2seq.errors import ConfigError
 INT_LIMIT = 2**63  # every int setting reaches torch or C code as a 64-bit integer at most
 MAX_THREADS = 1024  # torch.set_num_threads takes a C int; more threads than this is a typo
 # Sizes far beyond any real model: larger values are typos or hostile, and would fail in an allocation.
-MAX_WIDTH = 2**14  # model.d_model, model.rnn.hidden_size
-MAX_FF = 2**16  # model.d_ff
+MAX_WIDTH = 2**16  # model.d_model, model.rnn.hidden_size
+MAX_FF = 2**18  # model.d_ff
 MAX_HEADS = 1024  # model.n_heads
 MAX_LAYERS = 256  # model.encoder_layers, model.decoder_layers, model.rnn.layers
 MAX_POSITIONS = 2**16  # model.max_positions, model.max_relative_distance
@@ -71,11 +71,8 @@ class DataConfig:
             "data.sampling_alpha",
             "is a dropout probability for BPE and must be below 1",
         )
-        _require(
-            self.sampling_nbest == -1 or 2 <= self.sampling_nbest <= MAX_BEAM,
-            "data.sampling_nbest",
-            f"must be -1 or in [2, {MAX_BEAM}]",
-        )
+        _require(self.sampling_nbest == -1 or self.sampling_nbest >= 2, "data.sampling_nbest", "must be -1 or >= 2")
+        _require_at_most(self.sampling_nbest, MAX_BEAM, "data.sampling_nbest")
         _require(self.spm_sample >= 2, "data.spm_sample", "must be at least 2")
         _require(self.src_lang != self.tgt_lang, "data.tgt_lang", "must differ from data.src_lang")
         for key in ("dir", "src_lang", "tgt_lang", "valid", "test"):
@@ -112,8 +109,10 @@ class RNNConfig:
     attention: Literal["none", "dot", "general", "mlp"] = "general"  # Luong et al. (2015), with input feeding
 
     def __post_init__(self) -> None:
-        _require(1 <= self.layers <= MAX_LAYERS, "model.rnn.layers", f"must be in [1, {MAX_LAYERS}]")
-        _require(2 <= self.hidden_size <= MAX_WIDTH, "model.rnn.hidden_size", f"must be in [2, {MAX_WIDTH}]")
+        _require(self.layers >= 1, "model.rnn.layers", "must be at least 1")
+        _require(self.hidden_size >= 2, "model.rnn.hidden_size", "must be at least 2")
+        _require_at_most(self.layers, MAX_LAYERS, "model.rnn.layers")
+        _require_at_most(self.hidden_size, MAX_WIDTH, "model.rnn.hidden_size")
         _require(
             not self.bidirectional or self.hidden_size % 2 == 0,
             "model.rnn.hidden_size",
@@ -145,25 +144,28 @@ class ModelConfig:
     rnn: RNNConfig = field(default_factory=RNNConfig)
 
     def __post_init__(self) -> None:
-        _require(0 < self.d_model <= MAX_WIDTH, "model.d_model", f"must be in [1, {MAX_WIDTH}]")
-        _require(0 < self.n_heads <= MAX_HEADS, "model.n_heads", f"must be in [1, {MAX_HEADS}]")
+        _require(self.d_model > 0, "model.d_model", "must be positive")
+        _require(self.n_heads > 0, "model.n_heads", "must be positive")
+        _require_at_most(self.d_model, MAX_WIDTH, "model.d_model")
+        _require_at_most(self.n_heads, MAX_HEADS, "model.n_heads")
         _require(
             self.d_model % self.n_heads == 0,
             "model.d_model",
             f"({self.d_model}) must be divisible by model.n_heads ({self.n_heads})",
         )
-        _require(0 < self.d_ff <= MAX_FF, "model.d_ff", f"must be in [1, {MAX_FF}]")
-        _require(1 <= self.encoder_layers <= MAX_LAYERS, "model.encoder_layers", f"must be in [1, {MAX_LAYERS}]")
-        _require(1 <= self.decoder_layers <= MAX_LAYERS, "model.decoder_layers", f"must be in [1, {MAX_LAYERS}]")
+        _require(self.d_ff > 0, "model.d_ff", "must be positive")
+        _require(self.encoder_layers >= 1, "model.encoder_layers", "must be at least 1")
+        _require(self.decoder_layers >= 1, "model.decoder_layers", "must be at least 1")
+        _require_at_most(self.d_ff, MAX_FF, "model.d_ff")
+        _require_at_most(self.encoder_layers, MAX_LAYERS, "model.encoder_layers")
+        _require_at_most(self.decoder_layers, MAX_LAYERS, "model.decoder_layers")
         _require(0.0 <= self.dropout < 1.0, "model.dropout", "must be in [0, 1)")
         _require(0.0 <= self.attention_dropout < 1.0, "model.attention_dropout", "must be in [0, 1)")
         _require(0.0 <= self.activation_dropout < 1.0, "model.activation_dropout", "must be in [0, 1)")
-        _require(8 <= self.max_positions <= MAX_POSITIONS, "model.max_positions", f"must be in [8, {MAX_POSITIONS}]")
-        _require(
-            1 <= self.max_relative_distance <= MAX_POSITIONS,
-            "model.max_relative_distance",
-            f"must be in [1, {MAX_POSITIONS}]",
-        )
+        _require(self.max_positions >= 8, "model.max_positions", "must be at least 8")
+        _require(self.max_relative_distance >= 1, "model.max_relative_distance", "must be at least 1")
+        _require_at_most(self.max_positions, MAX_POSITIONS, "model.max_positions")
+        _require_at_most(self.max_relative_distance, MAX_POSITIONS, "model.max_relative_distance")
         _require(
             self.positions != "rope" or (self.d_model // self.n_heads) % 2 == 0,
             "model.positions",
@@ -271,7 +273,8 @@ class DecodeConfig:
     valid_strategy: Literal["beam", "greedy"] = "greedy"  # used for validation BLEU
 
     def __post_init__(self) -> None:
-        _require(1 <= self.beam_size <= MAX_BEAM, "decode.beam_size", f"must be in [1, {MAX_BEAM}]")
+        _require(self.beam_size >= 1, "decode.beam_size", "must be at least 1")
+        _require_at_most(self.beam_size, MAX_BEAM, "decode.beam_size")
         _require(self.max_len >= 1, "decode.max_len", "must be at least 1")
         _require(self.max_len_a >= 0, "decode.max_len_a", "must be >= 0")
         _require(self.max_len_b >= 0, "decode.max_len_b", "must be >= 0")
@@ -331,6 +334,11 @@ class ExperimentConfig:
 def _require(ok: bool, key: str, message: str) -> None:
     if not ok:
         raise ConfigError(f"{key} {message}")
+
+
+def _require_at_most(value: int, limit: int, key: str) -> None:
+    """An upper bound on a size: far beyond any real model, a value above it is a typo (or hostile)."""
+    _require(value <= limit, key, f"must be at most {limit}; got {value}")
 
 
 def _require_text(value: str, key: str) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -142,13 +141,13 @@ def test_d_model_not_divisible_by_heads(tmp_path: Path) -> None:
         (["train.eps=0"], "train.eps must be positive"),
         (["data.shared_vocab=false"], "model.share_all_embeddings needs data.shared_vocab"),
         (["data.max_len=600"], "data.max_len (600) must be below model.max_positions (512)"),
-        (["data.sampling_nbest=1"], "data.sampling_nbest must be -1 or in [2, 1024]"),
+        (["data.sampling_nbest=1"], "data.sampling_nbest must be -1 or >= 2"),
         (["train.rdrop_alpha=-1"], "train.rdrop_alpha must be >= 0"),
         (["train.rdrop_alpha=5", "model.dropout=0"], "train.rdrop_alpha compares two dropout passes"),
         (["data.spm_model_type=bpe", "data.sampling_alpha=1"], "data.sampling_alpha is a dropout probability"),
         (["decode.beam_size=2", "decode.nbest=3"], "decode.nbest (3) must not exceed decode.beam_size (2)"),
         (["model.positions=rope", "model.d_model=12", "model.n_heads=4"], "d_model / model.n_heads (3) must be even"),
-        (["model.max_relative_distance=0"], "model.max_relative_distance must be in [1, 65536]"),
+        (["model.max_relative_distance=0"], "model.max_relative_distance must be at least 1"),
         (["model.rnn.hidden_size=33"], "model.rnn.hidden_size (33) must be even with model.rnn.bidirectional"),
         (["model.rnn.attention=bahdanau"], "model.rnn.attention must be one of none, dot, general, mlp"),
         (["model.rnn.cel=gru"], "did you mean 'model.rnn.cell'"),
@@ -205,7 +204,7 @@ def test_apply_overrides_returns_a_validated_copy() -> None:
     cfg = ExperimentConfig()
     changed = apply_overrides(cfg, ["decode.beam_size=3"])
     assert changed.decode.beam_size == 3 and cfg.decode.beam_size == 5
-    with pytest.raises(ConfigError, match="decode.beam_size must be in \\[1, 1024\\]"):
+    with pytest.raises(ConfigError, match="decode.beam_size must be at least 1"):
         apply_overrides(cfg, ["decode.beam_size=0"])
 
 
@@ -265,7 +264,7 @@ def test_configs_without_the_architecture_keys_get_todays_transformer() -> None:
 def test_absurd_sizes_are_refused_with_their_limit(override: str) -> None:
     """Sizes that fit in int64 but no memory: refused at load time, naming the key and the allowed range."""
     key = override.split("=")[0]
-    assert re.search(rf"{re.escape(key)} must be (-1 or )?in \[\d+, \d+\]", config_error(None, override))
+    assert f"{key} must be at most " in config_error(None, override)
 
 
 def test_average_last_needs_as_many_kept_checkpoints() -> None:

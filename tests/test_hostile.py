@@ -137,7 +137,7 @@ def one_weight(
 CHECKPOINT_CASES = {
     "pickle aliasing one list": (aliased, "repeats shared parts far beyond the file's size"),
     "20,000-deep nesting": (nested, "nested more than 32 levels deep"),
-    "stored config of 300,000 layers": (huge_config, "model.encoder_layers must be in [1, 256]"),
+    "stored config of 300,000 layers": (huge_config, "model.encoder_layers must be at most 256"),
     "sparse weight": (one_weight(lambda t: t.to_sparse(), checksum=False), "is stored sparse_coo"),
     "weight on the meta device": (one_weight(lambda t: t.to("meta"), checksum=False), "is on the meta device"),
     "integer weight": (one_weight(lambda t: t.long()), "holds torch.int64 numbers"),
@@ -253,12 +253,18 @@ ALIAS_BOMB = "".join(
     [
         (["train", "--config", "{bomb}"], "YAML aliases (*name) are not supported"),
         (["train", "--config", "/dev/zero"], "/dev/zero: not a regular file"),
-        (["train", "--config", str(TINY), "model.d_model=1099511627776"], "model.d_model must be in [1, 16384]"),
-        (["train", "--config", str(TINY), "model.encoder_layers=100000"], "model.encoder_layers must be in [1, 256]"),
-        (["train", "--config", str(TINY), "model.max_relative_distance=1099511627776"], "must be in [1, 65536]"),
-        (["train", "--config", str(TINY), "data.sampling_nbest=1099511627776"], "data.sampling_nbest must be -1 or"),
+        (["train", "--config", str(TINY), "model.d_model=1099511627776"], "model.d_model must be at most 65536"),
+        (["train", "--config", str(TINY), "model.encoder_layers=100000"], "model.encoder_layers must be at most 256"),
+        (["train", "--config", str(TINY), "model.max_relative_distance=1099511627776"], "must be at most 65536"),
+        (
+            ["train", "--config", str(TINY), "data.sampling_nbest=1099511627776"],
+            "data.sampling_nbest must be at most 1024",
+        ),
         (["train", "--config", str(TINY), "train.keep_last=0", "train.average_last=3"], "train.keep_last (0)"),
-        (["translate", "-c", "{checkpoint}", "decode.beam_size=1099511627776"], "decode.beam_size must be in"),
+        (
+            ["translate", "-c", "{checkpoint}", "decode.beam_size=1099511627776"],
+            "decode.beam_size must be at most 1024",
+        ),
         (["translate", "-c", "{export}"], "YAML aliases (*name) are not supported"),
         (["evaluate", "--hypotheses", "{text}", "--ref", "{text}", "--bootstrap", "2000000000"], "--bootstrap"),
     ],
