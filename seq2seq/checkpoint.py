@@ -117,7 +117,7 @@ class TrainingState:
         """The stored optimizer and scaler states must describe these: their `load_state_dict` checks little."""
         _check_optimizer_state(self.optimizer, optimizer, f"{source}: train_state.optimizer")
         if scaler is not None and scaler.is_enabled():
-            _check_same_kinds(self.scaler, scaler.state_dict(), f"{source}: train_state.scaler")
+            _check_same_kinds(self.scaler, scaler.state_dict(), f"{source}: train_state.scaler", required=True)
 
 
 def _check_optimizer_state(stored: dict[str, Any], optimizer: torch.optim.Optimizer, what: str) -> None:
@@ -138,7 +138,7 @@ def _check_optimizer_state(stored: dict[str, Any], optimizer: torch.optim.Optimi
                 "it is another model's state"
             )
         settings = {k: v for k, v in expected.items() if k != "params"}
-        _check_same_kinds({k: v for k, v in group.items() if k in settings}, settings, f"{what}.param_groups.{index}")
+        _check_same_kinds(group, settings, f"{what}.param_groups.{index}", required=False)
         for key, param in zip(ids, expected["params"]):
             _expect(key, int, f"{what}.param_groups.{index}.params item")
             params[key] = param
@@ -163,11 +163,17 @@ def _check_state_value(value: Any, param: torch.Tensor, name: str, what: str) ->
         raise CheckpointError(f"{what} has shape {tuple(value.shape)}, the parameter {tuple(param.shape)}")
 
 
-def _check_same_kinds(stored: dict[str, Any], expected: dict[str, Any], what: str) -> None:
-    """Every expected key present, each value of the expected kind (numbers interchangeable; None: anything)."""
+def _check_same_kinds(stored: dict[str, Any], expected: dict[str, Any], what: str, required: bool) -> None:
+    """Each expected key's value of the expected kind (numbers interchangeable; None: anything).
+
+    required: every key must be there (GradScaler reads them all); else a missing one is fine
+    (an optimizer fills in the settings that a newer torch added since the file was written).
+    """
     for key, value in expected.items():
         if key not in stored:
-            raise CheckpointError(f"{what} lacks {key!r}")
+            if required:
+                raise CheckpointError(f"{what} lacks {key!r}")
+            continue
         if value is None:  # e.g. Adam's foreach: chosen at run time
             continue
         kind: type | tuple[type, ...] = type(value)
