@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import hashlib
+import logging
 import math
 import os
 import pickle
@@ -42,8 +43,11 @@ from seq2seq.model import Seq2SeqModel, build_model
 from seq2seq.security import check_torch_version
 from seq2seq.tokenizer import Tokenizer
 
+log = logging.getLogger(__name__)
+
 FORMAT = "seq2seq-checkpoint"
 VERSION = 2  # 1: no version key (format "seq2seq-checkpoint-1"), no run id, no checksum
+MAX_COUNT = 2**53  # steps, epochs, batches: exact as floats, and far beyond any real run
 _FORMAT_V1 = "seq2seq-checkpoint-1"
 LAST, BEST = "checkpoint_last.pt", "checkpoint_best.pt"
 _TMP_SUFFIX = ".tmp"
@@ -80,6 +84,16 @@ class Progress:
         for name, kind in kinds.items():
             if name in raw:
                 values[name] = _expect(raw[name], kind, f"{source}: train_state.progress.{name}")
+        lowest = {"step": 0, "epoch": 1, "batch_in_epoch": 0, "bad_validations": 0, "validated_step": -1}
+        for name, low in lowest.items():
+            if name in values and not low <= values[name] < MAX_COUNT:
+                raise CheckpointError(
+                    f"{source}: train_state.progress.{name} must be in [{low}, 2**53); got {values[name]}"
+                )
+        for name in ("elapsed", "best"):
+            number = values.get(name)
+            if number is not None and not (math.isfinite(number) and (name == "best" or number >= 0)):
+                raise CheckpointError(f"{source}: train_state.progress.{name} must be a finite number; got {number}")
         return cls(**values)
 
 
@@ -100,6 +114,76 @@ class TrainingState:
         optimizer = _expect(raw.get("optimizer"), dict, f"{source}: train_state.optimizer")
         scaler = _expect(raw.get("scaler"), dict, f"{source}: train_state.scaler")
         return cls(Progress.from_dict(raw.get("progress"), source), optimizer, scaler)
+
+    def check_fits(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None, source: str) -> None:
+        """The stored optimizer and scaler states must describe these: their `load_state_dict` checks little."""
+        _check_optimizer_state(self.optimizer, optimizer, f"{source}: train_state.optimizer")
+        if scaler is not None and scaler.is_enabled():
+            _check_same_kinds(self.scaler, scaler.state_dict(), f"{source}: train_state.scaler", required=True)
+
+
+def _check_optimizer_state(stored: dict[str, Any], optimizer: torch.optim.Optimizer, what: str) -> None:
+    """Groups of the same sizes and settings, and per-parameter tensors of the parameters' shapes."""
+    groups = _expect(stored.get("param_groups"), list, f"{what}.param_groups")
+    state = _expect(stored.get("state"), dict, f"{what}.state")
+    if len(groups) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"{what} has {len(groups)} parameter groups, this model's optimizer has {len(optimizer.param_groups)}"
+        )
+    params: dict[Any, torch.Tensor] = {}
+    for index, (group, expected) in enumerate(zip(groups, optimizer.param_groups)):
+        _expect(group, dict, f"{what}.param_groups.{index}")
+        ids = _expect(group.get("params"), list, f"{what}.param_groups.{index}.params")
+        if len(ids) != len(expected["params"]):
+            raise CheckpointError(
+                f"{what} holds {len(ids)} parameters, this model has {len(expected['params'])}; "
+                "it is another model's state"
+            )
+        settings = {k: v for k, v in expected.items() if k != "params"}
+        _check_same_kinds(group, settings, f"{what}.param_groups.{index}", required=False)
+        for key, param in zip(ids, expected["params"]):
+            _expect(key, int, f"{what}.param_groups.{index}.params item")
+            params[key] = param
+    if len(params) != sum(len(g["params"]) for g in optimizer.param_groups):
+        raise CheckpointError(f"{what}.param_groups names a parameter twice")
+    for key, values in state.items():
+        if key not in params:
+            raise CheckpointError(f"{what}.state has an entry for parameter {key!r}, which no group holds")
+        for name, value in _expect(values, dict, f"{what}.state.{key}").items():
+            _check_state_value(value, params[key], name, f"{what}.state.{key}.{name}")
+
+
+def _check_state_value(value: Any, param: torch.Tensor, name: str, what: str) -> None:
+    """A per-parameter value: a number, a scalar tensor (Adam's step) or a tensor shaped like the parameter."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return
+    _expect(value, torch.Tensor, what)
+    check_loadable(value, what)
+    if not value.is_floating_point():
+        raise CheckpointError(f"{what} must hold floating-point numbers, not {value.dtype}")
+    if value.dim() != 0 and (name == "step" or value.shape != param.shape):
+        raise CheckpointError(f"{what} has shape {tuple(value.shape)}, the parameter {tuple(param.shape)}")
+
+
+def _check_same_kinds(stored: dict[str, Any], expected: dict[str, Any], what: str, required: bool) -> None:
+    """Each expected key's value of the expected kind (numbers interchangeable; None: anything).
+
+    required: every key must be there (GradScaler reads them all); else a missing one is fine
+    (an optimizer fills in the settings that a newer torch added since the file was written).
+    """
+    for key, value in expected.items():
+        if key not in stored:
+            if required:
+                raise CheckpointError(f"{what} lacks {key!r}")
+            continue
+        if value is None:  # e.g. Adam's foreach: chosen at run time
+            continue
+        kind: type | tuple[type, ...] = type(value)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            kind = (int, float)
+        elif isinstance(value, (list, tuple)):
+            kind = (list, tuple)
+        _expect(stored[key], kind, f"{what}.{key}")
 
 
 @dataclass
@@ -154,6 +238,17 @@ class Checkpoint:
             averaged_from=[str(p) for p in averaged],
         )
 
+    def check_resumable_into(
+        self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None, source: str
+    ) -> None:
+        """Weights, optimizer and scaler states that fit the model being resumed; one line naming `source` if not."""
+        assert self.training is not None
+        try:
+            check_shapes(self.config, self.tokenizer, self.model)
+        except CheckpointError as e:
+            raise CheckpointError(f"{source}: {e}") from None
+        self.training.check_fits(optimizer, scaler, source)
+
     def build_model(self, device: str | torch.device = "cpu") -> Seq2SeqModel:
         """The model the config describes, with these weights, in eval mode on `device`."""
         check_shapes(self.config, self.tokenizer, self.model)
@@ -181,6 +276,12 @@ def _tokenizer(raw: Any, source: str) -> Tokenizer:
 
 def check_shapes(config: ExperimentConfig, tokenizer: Tokenizer, weights: Mapping[str, torch.Tensor]) -> None:
     """Compare the stored tensors with the model the config describes, built on the meta device (no memory)."""
+    m = config.model
+    layers = 2 * m.rnn.layers if m.arch == "rnn" else m.encoder_layers + m.decoder_layers
+    if layers > len(weights):  # every layer has weights of its own: refuse before building them all
+        raise CheckpointError(
+            f"weights do not fit the stored config: {len(weights)} tensors cannot hold its {layers} layers"
+        )
     with torch.device("meta"):
         expected = build_model(config.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size).state_dict()
     missing, unexpected = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
@@ -190,11 +291,14 @@ def check_shapes(config: ExperimentConfig, tokenizer: Tokenizer, weights: Mappin
             f"weights do not fit the stored config: {what} (and {len(missing) + len(unexpected) - 1} more)"
         )
     for name, tensor in expected.items():
+        check_loadable(weights[name], name)
         if tuple(weights[name].shape) != tuple(tensor.shape):
             raise CheckpointError(
                 f"weights do not fit the stored config: {name} has shape {tuple(weights[name].shape)}, "
                 f"the config asks for {tuple(tensor.shape)}"
             )
+        if weights[name].is_floating_point() != tensor.is_floating_point():
+            raise CheckpointError(f"weights do not fit the stored config: {name} holds {weights[name].dtype} numbers")
 
 
 # Reading and writing.
@@ -211,11 +315,14 @@ def read(path: str | Path) -> Checkpoint:
     """A checkpoint file, checked: readable, safe, untampered, well-formed; one-line errors otherwise."""
     path = Path(path)
     raw = _load(path)
-    if isinstance(raw, dict) and "sha256" in raw:
-        stored = raw.pop("sha256")
-        if stored != content_hash(raw):
-            raise CheckpointError(f"{path}: checksum mismatch: the file was damaged after it was written")
-    elif isinstance(raw, dict) and raw.get("version", 1) != 1:
+    stored = raw.pop("sha256", None) if isinstance(raw, dict) else None
+    try:  # walked even without a checksum (format 1): the walk bounds nesting and sharing
+        actual = content_hash(raw, path.stat().st_size)
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    if stored is not None and stored != actual:
+        raise CheckpointError(f"{path}: checksum mismatch: the file was damaged after it was written")
+    if stored is None and isinstance(raw, dict) and raw.get("version", 1) != 1:
         raise CheckpointError(f"{path}: checkpoint has no checksum")
     return Checkpoint.from_dict(raw, str(path))
 
@@ -267,33 +374,78 @@ def _first_line(e: BaseException) -> str:
     return (str(e).splitlines() or [type(e).__name__])[0]
 
 
-def content_hash(raw: Any) -> str:
-    """sha256 of a checkpoint's content: tensors by dtype, shape and bytes; plain values by type and repr."""
-    digest = hashlib.sha256()
-    _hash_into(digest, raw)
-    return digest.hexdigest()
+MAX_DEPTH = 32  # a checkpoint nests 6 levels (train_state.optimizer.state.0.exp_avg); deeper is crafted
 
 
-def _hash_into(digest: Any, value: Any) -> None:
-    if isinstance(value, torch.Tensor):
-        t = value.detach().cpu().contiguous()
-        digest.update(f"T{t.dtype}{tuple(t.shape)}".encode())
-        digest.update(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b"")
-    elif isinstance(value, dict):
-        digest.update(f"D{len(value)}".encode())
-        for key in sorted(value, key=repr):
-            _hash_into(digest, key)
-            _hash_into(digest, value[key])
-    elif isinstance(value, (list, tuple)):
-        digest.update(f"L{len(value)}".encode())
-        for item in value:
-            _hash_into(digest, item)
-    elif isinstance(value, bytes):
-        digest.update(f"B{len(value)}".encode() + value)
-    elif isinstance(value, float) and math.isnan(value):
-        digest.update(b"Fnan")
-    else:
-        digest.update(f"{type(value).__name__}:{value!r}".encode())
+def content_hash(raw: Any, file_size: int | None = None) -> str:
+    """sha256 of a checkpoint's content: tensors by dtype, shape and bytes; plain values by type and repr.
+
+    A pickle can share one object many times over, so walking a small file can mean
+    visiting (and hashing) an astronomical tree. Given the `file_size` the content was
+    read from, the walk is bounded linearly by it: a file written by `save` never shares
+    containers, and shares a tensor at most a few times (tied embeddings), so it always
+    fits; the digest itself is unchanged, and so are the files' stored hashes.
+    """
+    walk = _Walk(file_size)
+    walk.visit(raw, ())
+    return walk.digest.hexdigest()
+
+
+class _Walk:
+    """The hash's walk over nested content, with its budgets: nesting depth, values visited, tensor bytes."""
+
+    def __init__(self, file_size: int | None) -> None:
+        self.digest: Any = hashlib.sha256()  # Any: numpy arrays are buffers that typeshed does not know
+        self.values_left = math.inf if file_size is None else file_size + 10_000  # a pickled value takes a byte
+        self.bytes_left = math.inf if file_size is None else 4 * file_size + 2**20  # tied weights: 3 names
+
+    def visit(self, value: Any, where: tuple[Any, ...]) -> None:
+        """Hash `value`, found at the keys and indices `where` (named in errors)."""
+        if len(where) > MAX_DEPTH:
+            raise CheckpointError(f"content nested more than {MAX_DEPTH} levels deep; not a seq2seq checkpoint")
+        self.values_left -= 1
+        if self.values_left < 0:
+            raise _shared_too_often()
+        digest = self.digest
+        if isinstance(value, torch.Tensor):
+            self.tensor(value, where)
+        elif isinstance(value, dict):
+            digest.update(f"D{len(value)}".encode())
+            for key in sorted(value, key=repr):
+                self.visit(key, (*where, key))
+                self.visit(value[key], (*where, key))
+        elif isinstance(value, (list, tuple)):
+            digest.update(f"L{len(value)}".encode())
+            for index, item in enumerate(value):
+                self.visit(item, (*where, index))
+        elif isinstance(value, bytes):
+            digest.update(f"B{len(value)}".encode() + value)
+        elif isinstance(value, float) and math.isnan(value):
+            digest.update(b"Fnan")
+        else:
+            digest.update(f"{type(value).__name__}:{value!r}".encode())
+
+    def tensor(self, value: torch.Tensor, where: tuple[Any, ...]) -> None:
+        check_loadable(value, ".".join(map(str, where)) or "the content")
+        self.bytes_left -= value.numel() * value.element_size()
+        if self.bytes_left < 0:
+            raise _shared_too_often()
+        t = value.detach().contiguous()
+        self.digest.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+        self.digest.update(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b"")
+
+
+def _shared_too_often() -> CheckpointError:
+    return CheckpointError("its content repeats shared parts far beyond the file's size; not a seq2seq checkpoint")
+
+
+def check_loadable(tensor: torch.Tensor, what: str) -> None:
+    """Only dense tensors in CPU memory can be hashed, averaged and loaded into a model."""
+    if tensor.layout != torch.strided:
+        layout = str(tensor.layout).removeprefix("torch.")
+        raise CheckpointError(f"{what} is stored {layout}; only dense tensors are supported")
+    if tensor.device.type != "cpu":  # map_location moves real storage to the CPU; "meta" has none
+        raise CheckpointError(f"{what} is on the {tensor.device.type} device, without data")
 
 
 def atomic_save(obj: Any, path: str | Path) -> None:
@@ -380,15 +532,18 @@ def average_checkpoints(paths: Sequence[str | Path], output: str | Path) -> Chec
         raise CheckpointError("no checkpoints to average")
     total: dict[str, torch.Tensor] = {}
     last: Checkpoint | None = None
+    first: Checkpoint | None = None
     for path in paths:
         last = read(path)
+        first = first or last
+        _check_same_model(first, last, Path(paths[0]), Path(path))
         if total and last.model.keys() != total.keys():
             raise CheckpointError(f"{path}: its parameters differ from {paths[0]}; cannot average")
         for name, tensor in last.model.items():
             if name in total and total[name].shape != tensor.shape:
                 raise CheckpointError(f"{path}: {name} has shape {tuple(tensor.shape)}, not {tuple(total[name].shape)}")
             total[name] = total[name] + tensor.double() if name in total else tensor.double().clone()
-    assert last is not None
+    assert last is not None and first is not None
     final = last.model
     averaged = {
         name: (t / len(paths)).to(final[name].dtype) if final[name].is_floating_point() else final[name]
@@ -397,3 +552,35 @@ def average_checkpoints(paths: Sequence[str | Path], output: str | Path) -> Chec
     result = dataclasses.replace(last, model=averaged, training=None, averaged_from=[str(p) for p in paths])
     save(output, result)
     return result
+
+
+def _check_same_model(first: Checkpoint, other: Checkpoint, first_path: Path, path: Path) -> None:
+    """Averaging mixes weights meaningfully only within one architecture and one vocabulary."""
+    if other is first:
+        return
+    if other.tokenizer.state() != first.tokenizer.state():
+        raise CheckpointError(f"{path}: its tokenizer differs from {first_path}'s; cannot average")
+    difference = _first_difference(to_dict(first.config.model), to_dict(other.config.model), "model.")
+    if difference is not None:
+        key, ours, theirs = difference
+        raise CheckpointError(f"{path}: {key} is {theirs!r}, not {ours!r} as in {first_path}; cannot average")
+    if other.run_id != first.run_id:
+        log.warning(
+            "averaging checkpoints of different runs: %s (%s) and %s (%s)",
+            first_path,
+            first.run_id or "no run id",
+            path,
+            other.run_id or "no run id",
+        )
+
+
+def _first_difference(a: dict[str, Any], b: dict[str, Any], prefix: str) -> tuple[str, Any, Any] | None:
+    """The first setting (dotted key, value in a, value in b) that differs between two config dicts."""
+    for key in sorted(set(a) | set(b)):
+        if isinstance(a.get(key), dict) and isinstance(b.get(key), dict):
+            inner = _first_difference(a[key], b[key], f"{prefix}{key}.")
+            if inner is not None:
+                return inner
+        elif a.get(key) != b.get(key):
+            return f"{prefix}{key}", a.get(key), b.get(key)
+    return None

@@ -229,11 +229,13 @@ def _download(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
+    from seq2seq.training.distributed import peer_failures
     from seq2seq.training.trainer import Trainer
 
     try:
-        trainer = Trainer(cfg)
-        trainer.fit()
+        with peer_failures():
+            trainer = Trainer(cfg)
+            trainer.fit()
     except KeyboardInterrupt:  # before training started, or a second Ctrl-C
         print("seq2seq: interrupted; checkpoint_last.pt (if any) holds the last saved state", file=sys.stderr)
         return 130
@@ -326,6 +328,7 @@ def _exported_translator(args: argparse.Namespace, token_scores: bool) -> TextTr
         return CTranslate2Translator.from_directory(exported, args.device, threads, token_scores, args.overrides)
 
 
+MAX_BOOTSTRAP = 100_000  # evaluate --bootstrap: 1000 is usual; sacreBLEU keeps every resample in memory
 CHUNK_LINES = 2000  # lines read before translating: enough to sort into full batches
 
 
@@ -571,6 +574,8 @@ def _evaluate(args: argparse.Namespace) -> int:
         raise ConfigError("evaluate takes --checkpoint or --hypotheses, not both")
     if args.bootstrap < 1:
         raise ConfigError(f"--bootstrap must be at least 1, got {args.bootstrap}")
+    if args.bootstrap > MAX_BOOTSTRAP:  # sacreBLEU draws every resample's indices at once
+        raise ConfigError(f"--bootstrap must be at most {MAX_BOOTSTRAP}, got {args.bootstrap}")
     if args.save:
         _refuse_overwriting(
             Path(args.save), "--save", args.hypotheses, args.src, args.ref, args.tok_ref, *(args.checkpoint or [])

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
+import stat
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -24,6 +26,14 @@ from seq2seq.errors import ConfigError
 
 INT_LIMIT = 2**63  # every int setting reaches torch or C code as a 64-bit integer at most
 MAX_THREADS = 1024  # torch.set_num_threads takes a C int; more threads than this is a typo
+# Sizes far beyond any real model: larger values are typos or hostile, and would fail in an allocation.
+MAX_WIDTH = 2**16  # model.d_model, model.rnn.hidden_size
+MAX_FF = 2**18  # model.d_ff
+MAX_HEADS = 1024  # model.n_heads
+MAX_LAYERS = 256  # model.encoder_layers, model.decoder_layers, model.rnn.layers
+MAX_POSITIONS = 2**16  # model.max_positions, model.max_relative_distance
+MAX_BEAM = 1024  # decode.beam_size, data.sampling_nbest
+MAX_CONFIG_BYTES = 2**20  # a config file is a few KB; a larger one is not a config
 T = TypeVar("T")
 
 
@@ -62,6 +72,7 @@ class DataConfig:
             "is a dropout probability for BPE and must be below 1",
         )
         _require(self.sampling_nbest == -1 or self.sampling_nbest >= 2, "data.sampling_nbest", "must be -1 or >= 2")
+        _require_at_most(self.sampling_nbest, MAX_BEAM, "data.sampling_nbest")
         _require(self.spm_sample >= 2, "data.spm_sample", "must be at least 2")
         _require(self.src_lang != self.tgt_lang, "data.tgt_lang", "must differ from data.src_lang")
         for key in ("dir", "src_lang", "tgt_lang", "valid", "test"):
@@ -100,6 +111,8 @@ class RNNConfig:
     def __post_init__(self) -> None:
         _require(self.layers >= 1, "model.rnn.layers", "must be at least 1")
         _require(self.hidden_size >= 2, "model.rnn.hidden_size", "must be at least 2")
+        _require_at_most(self.layers, MAX_LAYERS, "model.rnn.layers")
+        _require_at_most(self.hidden_size, MAX_WIDTH, "model.rnn.hidden_size")
         _require(
             not self.bidirectional or self.hidden_size % 2 == 0,
             "model.rnn.hidden_size",
@@ -133,6 +146,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _require(self.d_model > 0, "model.d_model", "must be positive")
         _require(self.n_heads > 0, "model.n_heads", "must be positive")
+        _require_at_most(self.d_model, MAX_WIDTH, "model.d_model")
+        _require_at_most(self.n_heads, MAX_HEADS, "model.n_heads")
         _require(
             self.d_model % self.n_heads == 0,
             "model.d_model",
@@ -141,11 +156,16 @@ class ModelConfig:
         _require(self.d_ff > 0, "model.d_ff", "must be positive")
         _require(self.encoder_layers >= 1, "model.encoder_layers", "must be at least 1")
         _require(self.decoder_layers >= 1, "model.decoder_layers", "must be at least 1")
+        _require_at_most(self.d_ff, MAX_FF, "model.d_ff")
+        _require_at_most(self.encoder_layers, MAX_LAYERS, "model.encoder_layers")
+        _require_at_most(self.decoder_layers, MAX_LAYERS, "model.decoder_layers")
         _require(0.0 <= self.dropout < 1.0, "model.dropout", "must be in [0, 1)")
         _require(0.0 <= self.attention_dropout < 1.0, "model.attention_dropout", "must be in [0, 1)")
         _require(0.0 <= self.activation_dropout < 1.0, "model.activation_dropout", "must be in [0, 1)")
         _require(self.max_positions >= 8, "model.max_positions", "must be at least 8")
         _require(self.max_relative_distance >= 1, "model.max_relative_distance", "must be at least 1")
+        _require_at_most(self.max_positions, MAX_POSITIONS, "model.max_positions")
+        _require_at_most(self.max_relative_distance, MAX_POSITIONS, "model.max_relative_distance")
         _require(
             self.positions != "rope" or (self.d_model // self.n_heads) % 2 == 0,
             "model.positions",
@@ -219,6 +239,12 @@ class TrainConfig:
         _require(self.save_every >= 0, "train.save_every", "must be >= 0")
         _require(self.keep_last >= 0, "train.keep_last", "must be >= 0")
         _require(self.average_last >= 0, "train.average_last", "must be >= 0")
+        _require(
+            self.average_last <= self.keep_last,
+            "train.average_last",
+            f"({self.average_last}) must not exceed train.keep_last ({self.keep_last}): "
+            "only the kept step checkpoints can be averaged",
+        )
         _require(self.log_every >= 1, "train.log_every", "must be at least 1")
         _require(0 <= self.threads <= MAX_THREADS, "train.threads", f"must be in [0, {MAX_THREADS}]")
         _require(self.max_bad_steps >= 1, "train.max_bad_steps", "must be at least 1")
@@ -248,6 +274,7 @@ class DecodeConfig:
 
     def __post_init__(self) -> None:
         _require(self.beam_size >= 1, "decode.beam_size", "must be at least 1")
+        _require_at_most(self.beam_size, MAX_BEAM, "decode.beam_size")
         _require(self.max_len >= 1, "decode.max_len", "must be at least 1")
         _require(self.max_len_a >= 0, "decode.max_len_a", "must be >= 0")
         _require(self.max_len_b >= 0, "decode.max_len_b", "must be >= 0")
@@ -309,6 +336,11 @@ def _require(ok: bool, key: str, message: str) -> None:
         raise ConfigError(f"{key} {message}")
 
 
+def _require_at_most(value: int, limit: int, key: str) -> None:
+    """An upper bound on a size: far beyond any real model, a value above it is a typo (or hostile)."""
+    _require(value <= limit, key, f"must be at most {limit}; got {value}")
+
+
 def _require_text(value: str, key: str) -> None:
     """Paths and names: an empty one would silently mean the current directory or a file like `.de`."""
     _require(bool(value.strip()), key, "must not be empty")
@@ -343,12 +375,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     source = "<defaults>"
     if path is not None:
         source = str(path)
-        try:
-            data = Path(path).read_bytes()
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: config file not found") from None
-        except OSError as e:
-            raise ConfigError(f"{path}: cannot read config file ({e.strerror})") from None
+        data = _read_config_file(path)
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as e:
@@ -357,7 +384,11 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
                 f"{path}:{line}: invalid UTF-8 (byte 0x{data[e.start]:02x}); save the file as UTF-8"
             ) from None
         try:
-            raw = yaml.safe_load(text) or {}
+            raw = _parse_yaml(text) or {}
+        except AliasError as e:
+            raise ConfigError(
+                f"{path}:{e.line}: YAML aliases (*name) are not supported; write the values out"
+            ) from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" at line {mark.line + 1}" if mark is not None else ""
@@ -370,6 +401,44 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         _apply_override(raw, item)
     where = source if not overrides else f"{source} + command line"
     return _build(ExperimentConfig, raw, where, prefix="")
+
+
+def _read_config_file(path: str | Path) -> bytes:
+    """A config file's bytes, read only if it is a file or a pipe (not /dev/zero, not a directory) of sane size."""
+    try:
+        with open(path, "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):  # a pipe: `--config <(...)`
+                raise ConfigError(f"{path}: not a regular file")
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config file ({e.strerror})") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES // 2**20} MiB; not a config file")
+    return data
+
+
+class AliasError(yaml.YAMLError):
+    """A YAML alias: a few repeated `*name` can expand a small file into gigabytes (a "billion laughs")."""
+
+    def __init__(self, line: int) -> None:
+        super().__init__(f"alias at line {line}")
+        self.line = line
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing aliases (anchors alone are harmless)."""
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        if self.check_event(yaml.AliasEvent):
+            raise AliasError(self.peek_event().start_mark.line + 1)
+        return super().compose_node(parent, index)
+
+
+def _parse_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_NoAliasLoader)  # noqa: S506 (a SafeLoader)
 
 
 def _apply_override(raw: dict[str, Any], item: str) -> None:
@@ -387,7 +456,7 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
             raise ConfigError(f"command line: {key}: {part!r} is not a section")
         node = child
     try:
-        node[parts[-1]] = yaml.safe_load(text) if text.strip() else ""
+        node[parts[-1]] = _parse_yaml(text) if text.strip() else ""
     except (yaml.YAMLError, RecursionError):  # not YAML: keep the text as it was typed
         node[parts[-1]] = text
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import gzip
+import itertools
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+import zlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -19,6 +21,8 @@ if TYPE_CHECKING:  # torch is imported where a tensor is made: the CLI starts (a
     import torch
 
 log = logging.getLogger(__name__)
+
+MAX_LINE_BYTES = 2**20  # a sentence takes a few hundred bytes; a longer line is not text for translation
 
 
 def find_file(directory: str | Path, split: str, lang: str) -> Path:
@@ -34,7 +38,8 @@ def read_lines(path: str | Path) -> list[str]:
     """All lines of a UTF-8 text file, plain or gzipped, without line endings."""
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"missing data file: {path}")
+        what = "not a regular file" if path.exists() else "missing data file"  # /dev/zero would never end
+        raise DataError(f"{what}: {path}")
     opener = gzip.open if path.suffix == ".gz" else open
     try:
         with opener(path, "rb") as f:
@@ -43,13 +48,29 @@ def read_lines(path: str | Path) -> list[str]:
         raise DataError(f"{path}: cannot read ({e})") from None
 
 
-def decode_lines(raw_lines: Iterable[bytes], name: str) -> Iterator[str]:
+class LineSource(Protocol):
+    """A binary stream read line by line: a file, gzip.GzipFile, stdin's buffer."""
+
+    def readline(self, size: int = -1, /) -> bytes: ...
+
+
+def decode_lines(stream: LineSource, name: str) -> Iterator[str]:
     """The UTF-8 lines of a binary stream without their line ending, each as soon as it arrives.
 
     Only a newline byte ends a line: a carriage return, U+2028 or U+0085 inside a line
     stays there (text mode and `str.splitlines` would split it and shift every later line).
+    A line is read MAX_LINE_BYTES at most, so binary data (or /dev/zero) fails fast instead of
+    filling memory; a corrupt gzip stream fails naming the file.
     """
-    for number, raw in enumerate(raw_lines, start=1):
+    for number in itertools.count(1):
+        try:
+            raw = stream.readline(MAX_LINE_BYTES + 1)
+        except zlib.error as e:
+            raise DataError(f"{name}: cannot read: corrupt compressed data ({e})") from None
+        if not raw:
+            return
+        if len(raw) > MAX_LINE_BYTES:
+            raise DataError(f"{name}:{number}: line longer than {MAX_LINE_BYTES // 2**20} MiB; is this text?")
         try:
             yield raw.decode("utf-8").rstrip("\r\n")
         except UnicodeDecodeError:

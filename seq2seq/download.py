@@ -14,6 +14,7 @@ import shutil
 import tempfile
 import urllib.error
 import urllib.request
+import zlib
 from pathlib import Path
 
 from seq2seq.errors import DownloadError
@@ -116,7 +117,7 @@ def _count_lines(path: Path) -> int:
     try:
         with opener(path, "rb") as f:
             return sum(1 for _ in f)
-    except (OSError, EOFError) as e:
+    except (OSError, EOFError, zlib.error) as e:  # zlib.error: a corrupt deflate stream
         raise DownloadError(f"{path}: cannot read ({e}); delete it and run the download again") from None
 
 

@@ -74,6 +74,11 @@ def misaligned(prefix_file: str, prefixes: int, name: str, lines: str) -> DataEr
 
 
 def count_lines(path: str | Path) -> int:
-    """Lines as the input reader splits them (on newline bytes only)."""
+    """Lines as the input reader splits them (on newline bytes only), read in blocks: a file
+    without newlines is never held in memory whole."""
+    lines, last = 0, b"\n"
     with open(path, "rb") as f:
-        return sum(1 for _ in f)
+        for block in iter(lambda: f.read(1 << 20), b""):
+            lines += block.count(b"\n")
+            last = block[-1:]
+    return lines + (last != b"\n")

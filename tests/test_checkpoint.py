@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -224,7 +226,7 @@ def test_average_refuses_checkpoints_of_different_models(
     save_model(tmp_path / "a.pt", model_with_seed(cfg, tokenizer, 0), tokenizer, cfg)
     wider = load_config(TINY, ["model.d_ff=256"])
     save_model(tmp_path / "b.pt", model_with_seed(wider, tokenizer, 0), tokenizer, wider)
-    with pytest.raises(CheckpointError, match="has shape"):
+    with pytest.raises(CheckpointError, match="model.d_ff is 256, not 128"):
         average_checkpoints([tmp_path / "a.pt", tmp_path / "b.pt"], tmp_path / "avg.pt")
     with pytest.raises(CheckpointError, match="no checkpoints"):
         average_checkpoints([], tmp_path / "avg.pt")
@@ -251,3 +253,51 @@ def test_cli_averages_the_last_n_step_checkpoints_of_the_run_and_the_result_tran
     assert len(translations) == 2 and all(isinstance(t, str) for t in translations)
     assert main(["average", "--run-dir", str(tmp_path / "nowhere"), "-o", str(out)]) == 1
     assert "run directory not found" in capsys.readouterr().err
+
+
+def test_content_hash_is_unchanged_for_files_already_written() -> None:
+    """The bounded walk gives the digest the unbounded one gave (computed with it), so stored hashes still verify."""
+    raw = {
+        "a": [1, 2.5, float("nan"), b"xy", None, "text", True],
+        "t": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+        "e": torch.empty(0),
+        "n": {3: (1, 2)},
+    }
+    expected = "b4eaedbf7c8e4d9cbdd48ebb227508a33cb6572058b8bf0e01d136510bfdde99"
+    assert ckpt.content_hash(raw) == ckpt.content_hash(raw, file_size=10**6) == expected
+
+
+def test_content_walk_is_bounded_by_the_file_size() -> None:
+    numbers = [0] * 100
+    shared = {"w": [numbers] * 100}  # 10,000 values from a pickle of a few hundred bytes
+    with pytest.raises(CheckpointError, match="repeats shared parts"):
+        ckpt.content_hash(shared, file_size=10)
+    tied = torch.zeros(1000)  # tied embeddings: one tensor under three names
+    assert ckpt.content_hash({"a": tied, "b": tied, "c": tied}, file_size=4000)
+    with pytest.raises(CheckpointError, match="nested more than 32 levels"):
+        ckpt.content_hash(functools.reduce(lambda inner, _: [inner], range(40), []))
+
+
+def test_optimizer_state_must_describe_the_model(tmp_path: Path, cfg: ExperimentConfig, tokenizer: Tokenizer) -> None:
+    model = model_with_seed(cfg, tokenizer, 0)
+    optimizer = torch.optim.Adam(model.parameters())
+    state = optimizer.state_dict()
+    progress = ckpt.Progress()
+    good = ckpt.TrainingState(progress, state, {})
+    good.check_fits(optimizer, None, "x.pt")
+    older = {**state, "param_groups": [{k: v for k, v in state["param_groups"][0].items() if k != "maximize"}]}
+    ckpt.TrainingState(progress, older, {}).check_fits(optimizer, None, "x.pt")  # settings a newer torch added
+    other = torch.optim.Adam(model_with_seed(load_config(TINY, ["model.encoder_layers=1"]), tokenizer, 0).parameters())
+    first = next(iter(model.parameters()))
+    shapes = {**state, "state": {0: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3), "exp_avg_sq": first}}}
+    cases = [
+        ({}, "param_groups must be list"),
+        (other.state_dict(), "this model has"),
+        ({**state, "param_groups": [{**state["param_groups"][0], "lr": "fast"}]}, "param_groups.0.lr must be"),
+        (shapes, "state.0.exp_avg has shape (3,)"),
+    ]
+    for stored, needle in cases:
+        with pytest.raises(CheckpointError, match=re.escape(needle)):
+            ckpt.TrainingState(progress, stored, {}).check_fits(optimizer, None, "x.pt")
+    with pytest.raises(CheckpointError, match="lacks 'scale'"):
+        good.check_fits(optimizer, torch.amp.GradScaler("cpu", enabled=True), "x.pt")

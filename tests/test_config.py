@@ -243,3 +243,45 @@ def test_configs_without_the_architecture_keys_get_todays_transformer() -> None:
     old = from_dict(raw)
     assert old == ExperimentConfig()
     assert (old.model.arch, old.model.norm_type, old.model.positions) == ("transformer", "layernorm", "sinusoidal")
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "model.d_model=1099511627776",
+        "model.n_heads=4096",
+        "model.d_ff=1099511627776",
+        "model.encoder_layers=100000",
+        "model.decoder_layers=100000",
+        "model.max_positions=1099511627776",
+        "model.max_relative_distance=1099511627776",
+        "model.rnn.layers=100000",
+        "model.rnn.hidden_size=1099511627776",
+        "decode.beam_size=1099511627776",
+        "data.sampling_nbest=1099511627776",
+    ],
+)
+def test_absurd_sizes_are_refused_with_their_limit(override: str) -> None:
+    """Sizes that fit in int64 but no memory: refused at load time, naming the key and the allowed range."""
+    key = override.split("=")[0]
+    assert f"{key} must be at most " in config_error(None, override)
+
+
+def test_average_last_needs_as_many_kept_checkpoints() -> None:
+    message = config_error(None, "train.keep_last=0", "train.average_last=3")
+    assert "train.average_last (3) must not exceed train.keep_last (0)" in message
+
+
+def test_yaml_aliases_are_refused(tmp_path: Path) -> None:
+    """A few nested aliases expand a few KB into gigabytes; anchors without aliases are harmless."""
+    bomb = "a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
+    assert "exp.yaml:2: YAML aliases (*name) are not supported" in config_error(write(tmp_path, bomb))
+    assert load_config(write(tmp_path, "train: &t\n  seed: 3\n")).train.seed == 3
+    assert "train.betas" in config_error(None, "train.betas=[&x 0.9, *x]")  # kept as text, then refused
+
+
+def test_config_files_must_be_small_regular_files(tmp_path: Path) -> None:
+    assert "/dev/zero: not a regular file" in config_error(Path("/dev/zero"))
+    assert "Is a directory" in config_error(tmp_path)
+    big = write(tmp_path, "# padding\n" * 200_000)
+    assert "larger than 1 MiB; not a config file" in config_error(big)

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from seq2seq.errors import TrainingError
+
+# How gloo and NCCL word a collective that failed because another rank died or hung up.
+_LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL", "gloo")
 
 
 def world_size() -> int:
@@ -29,6 +36,28 @@ def setup(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend)
+
+
+@contextlib.contextmanager
+def peer_failures() -> Iterator[None]:
+    """A rank whose collective fails because another rank died ends with one line, not a gloo traceback.
+
+    The collective is anywhere: DDP's gradient all-reduce inside backward, `sum_all`, a broadcast.
+    Every rank saves checkpoint_last together, so the run resumes from its last save.
+    """
+    try:
+        yield
+    except RuntimeError as e:  # gloo and NCCL raise RuntimeError (torch.distributed.DistError is one)
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or not _lost_peer(e):
+            raise
+        raise TrainingError(
+            f"rank {os.environ.get('RANK', '?')}: another process of this run stopped (its connection broke); "
+            "run the same command to resume from the last saved checkpoint"
+        ) from None
+
+
+def _lost_peer(error: RuntimeError) -> bool:
+    return isinstance(error, dist.DistError) or any(words in str(error) for words in _LOST_PEER)
 
 
 def teardown() -> None:

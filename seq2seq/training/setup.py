@@ -102,6 +102,7 @@ def restore(
 ) -> Progress:
     """Load a checkpoint's weights and training state into a freshly built model; returns its progress."""
     assert resume.training is not None  # check_resumable refuses a checkpoint without it
+    resume.check_resumable_into(optimizer, scaler, str(run.last))
     model.load_state_dict(resume.model)
     optimizer.load_state_dict(resume.training.optimizer)
     scaler.load_state_dict(resume.training.scaler)
@@ -129,6 +130,9 @@ def check_resumable(resume: Checkpoint, cfg: ExperimentConfig, run: RunDirectory
                 f"cannot resume {run.path}: the config does not match its checkpoint: {key} is {new}, but the run "
                 f"was started with {old} and its tokenizer, data and weights depend on it"
             )
+    with torch.device("meta"):  # the model and optimizer being resumed, without memory: refuse before any log
+        model = build_model(cfg.model, resume.tokenizer.src_vocab_size, resume.tokenizer.tgt_vocab_size)
+    resume.check_resumable_into(build_optimizer(model, cfg.train), None, str(run.last))
     return [f"{key}: {old} -> {new}" for key, old, new in changes]
 
 

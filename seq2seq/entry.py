@@ -1,0 +1,60 @@
+"""The `seq2seq` command's entry point: what must hold before the heavy imports of `seq2seq.cli`.
+
+Importing the CLI loads numpy, SentencePiece and YAML (a few hundred milliseconds);
+a Ctrl-C then must end like one at any other time, with `seq2seq: interrupted` and
+exit code 130, not a traceback. So this module imports only the standard library
+(and `seq2seq.errors`) before it. It also makes closed standard streams safe: a
+file opened later must never land on descriptor 1 and receive the translations,
+and writing to a closed stdout is a one-line error, not an AttributeError.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+from collections.abc import Sequence
+
+from seq2seq.errors import UserError
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        _guard_standard_streams()
+        from seq2seq.cli import main as run
+
+        code = run(argv)
+        _flush_stdout()
+        return code
+    except KeyboardInterrupt:
+        print("seq2seq: interrupted", file=sys.stderr)
+        return 130
+
+
+class ClosedStdout(io.TextIOBase):
+    """What stdout is when the command was started with it closed (`>&-`): writing fails in one line."""
+
+    def write(self, text: str, /) -> int:
+        raise UserError("cannot write the output: stdout is closed (redirect it, or give --output FILE)")
+
+
+def _guard_standard_streams() -> None:
+    """Put /dev/null on any closed descriptor 0-2, so no file opened later takes its place."""
+    for fd in (0, 1, 2):  # os.open takes the lowest free descriptor: fill them in order
+        try:
+            os.fstat(fd)
+        except OSError:
+            os.open(os.devnull, os.O_RDWR)
+    if sys.stdout is None:
+        sys.stdout = ClosedStdout()
+    if sys.stderr is None:  # nowhere to tell anything; print(file=None) would write to stdout
+        sys.stderr = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115 (open until exit)
+
+
+def _flush_stdout() -> None:
+    """Flush now, so that a reader gone early (`| head -1`) ends the command quietly, like standard tools:
+    Python's own flush at exit would print an ignored BrokenPipeError."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
