@@ -42,6 +42,9 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     quickstart validation loss after 200 updates was 4.400 in bf16 and 4.401
     in fp32 (see also tests/test_training.py). Without native bf16 the
     matmuls are emulated, so fp32 stays the choice there (not measured here).
+    With bounded row counts (`BoundedRows`) bf16's peak RSS over 500
+    quickstart updates was 1.27x fp32's and flat, at 1.87x its tokens/s
+    (`scripts/bench_memory.py`, docs/results.md).
     """
     if precision == "fp16" and device.type != "cuda":
         raise TrainingError("train.precision=fp16 needs CUDA; use bf16 or fp32 on CPU")
