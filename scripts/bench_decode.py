@@ -78,14 +78,15 @@ class CompiledSteps:
         self.decode_step = torch.compile(model.decode_step, dynamic=True)
 
     def init_cache(self, memory: Any, src_pad_mask: torch.Tensor) -> Any:
-        import seq2seq.model.transformer as transformer
+        from seq2seq.model.transformer import DecodingPlan
 
-        can_pack = transformer.can_pack
-        transformer.can_pack = lambda module: False
+        if not hasattr(self.model, "plan"):  # no packing to turn off
+            return self.model.init_cache(memory, src_pad_mask)
+        plan, self.model.plan = self.model.plan, DecodingPlan(self.model.decoder, pack=False)
         try:
             return self.model.init_cache(memory, src_pad_mask)
         finally:
-            transformer.can_pack = can_pack
+            self.model.plan = plan
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.model, name)

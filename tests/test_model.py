@@ -8,6 +8,7 @@ Tiny dimensions, fixed seeds, dropout 0 and eval mode, so every comparison is ex
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -18,8 +19,9 @@ from torch.nn.attention import SDPBackend
 
 from seq2seq.config import ModelConfig, RNNConfig
 from seq2seq.model import DecoderCache, MultiHeadAttention, Seq2SeqModel, build_model, kernel_scope, training_kernel
+from seq2seq.model.packed import onednn_available
 from seq2seq.model.rnn import Encoded
-from seq2seq.model.transformer import sinusoidal_table
+from seq2seq.model.transformer import DecodingPlan, Seq2SeqTransformer, sinusoidal_table
 from seq2seq.vocab import BOS, EOS, PAD
 
 VOCAB = 23
@@ -299,6 +301,39 @@ def test_decoding_follows_the_weights_after_training_updates() -> None:
         after = decode_incrementally(model, src, mask, tgt)
         torch.testing.assert_close(after, model(src, mask, tgt), **CLOSE)
     assert not torch.allclose(after, before, atol=1e-3)
+
+
+@pytest.mark.parametrize("name", ["post", "post-learned-gelu-untied", "relative", "rope-post"])
+@torch.no_grad()
+def test_packed_and_plain_decoder_linears_give_the_same_logits(name: str) -> None:
+    """The oneDNN-packed projections (CPU float32 decoding's default) against the modules themselves."""
+    model = tiny_model(**variant(name)).eval()
+    assert isinstance(model, Seq2SeqTransformer)
+    src, mask = source_batch()
+    tgt = target_batch(length=9)
+    packed = decode_incrementally(model, src, mask, tgt)
+    assert model.plan.holds_packed == onednn_available()
+    model.plan = DecodingPlan(model.decoder, pack=False)
+    plain = decode_incrementally(model, src, mask, tgt)
+    assert not model.plan.holds_packed
+    torch.testing.assert_close(packed, plain, **CLOSE)
+
+
+@torch.no_grad()
+def test_the_decoding_plan_belongs_to_its_model_and_follows_loaded_weights() -> None:
+    """Packed copies live in the model's plan (copies of the model pack their own), and loading other weights
+    in eval mode, in place, repacks."""
+    model, other = tiny_model(seed=0).eval(), tiny_model(seed=1).eval()
+    assert isinstance(model, Seq2SeqTransformer) and isinstance(other, Seq2SeqTransformer)
+    src, mask = source_batch()
+    tgt = target_batch()
+    before = decode_incrementally(model, src, mask, tgt)
+    twin = copy.deepcopy(model)
+    assert twin.plan is not model.plan and twin.plan.decoder is twin.decoder and not twin.plan.holds_packed
+    torch.testing.assert_close(decode_incrementally(twin, src, mask, tgt), before, **CLOSE)
+    model.load_state_dict(other.state_dict())
+    torch.testing.assert_close(decode_incrementally(model, src, mask, tgt), other(src, mask, tgt), **CLOSE)
+    torch.testing.assert_close(decode_incrementally(twin, src, mask, tgt), before, **CLOSE)
 
 
 @pytest.mark.parametrize("name", ["pre", "rope", "rnn-lstm-dot"])

@@ -6,6 +6,7 @@ with `reorder`/`select`, so these tests also check that search needs nothing els
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 from collections.abc import Callable
@@ -381,6 +382,27 @@ def test_cached_decoding_equals_uncached(tiny: tuple[torch.nn.Module, Tensor, Te
     assert [[h.tokens for h in s] for s in cached] == [[h.tokens for h in s] for s in uncached]
     for c, u in zip(itertools.chain(*cached), itertools.chain(*uncached)):
         assert c.token_scores == pytest.approx(u.token_scores, abs=1e-4)
+
+
+@pytest.mark.parametrize("strategy", ["greedy", "beam"])
+def test_packing_off_translates_the_same(tiny: tuple[torch.nn.Module, Tensor, Tensor], strategy: str) -> None:
+    """CPU float32 decoding runs oneDNN-packed decoder linears; with packing forced off, the modules: the same
+    translations, the same log-probs within float rounding."""
+    from seq2seq.model.packed import onednn_available
+    from seq2seq.model.transformer import DecodingPlan, Seq2SeqTransformer
+
+    model, src, mask = tiny
+    assert isinstance(model, Seq2SeqTransformer)
+    plain_model = copy.deepcopy(model)
+    plain_model.plan = DecodingPlan(plain_model.decoder, pack=False)
+    decode = DecodeConfig(strategy=strategy, beam_size=4, nbest=4)  # type: ignore[arg-type]
+    packed = search(model, src, mask, decode, 100)
+    assert model.plan.holds_packed == onednn_available()
+    plain = search(plain_model, src, mask, decode, 100)
+    assert not plain_model.plan.holds_packed
+    assert [[h.tokens for h in s] for s in packed] == [[h.tokens for h in s] for s in plain]
+    for p, q in zip(itertools.chain(*packed), itertools.chain(*plain)):
+        assert p.token_scores == pytest.approx(q.token_scores, abs=1e-5)
 
 
 def test_beam_size_one_is_greedy_on_the_tiny_model(tiny: tuple[torch.nn.Module, Tensor, Tensor]) -> None:

@@ -7,19 +7,16 @@ weight in its own blocked layout, rearranged once, and also applies ReLU in
 the same call. On the 3+3-layer d256 model this makes greedy decoding about
 a quarter faster (`scripts/bench_decode.py`).
 
-The packed weights are copies, kept per decoder between batches. They are
-rebuilt when a parameter is replaced or changed in place (which bumps its
-version), and dropped whenever the decoder is put in training mode: fused
-optimizers update parameters without bumping their versions, and training
-always runs in training mode. Packing needs a CPU float32 model in eval mode
-and no autograd; anywhere else (and if oneDNN is missing or refuses) the step
-uses the modules themselves.
+The packed weights are copies, owned by the model's decoding plan
+(`seq2seq.model.transformer.DecodingPlan`) and kept between batches, not by
+any table in this module. `onednn_available` is the one check for the private
+oneDNN ops used here; without them (or where oneDNN refuses a model) the step
+uses the modules themselves, and the tests decode both ways.
 """
 
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -66,35 +63,31 @@ def packed_linear(weight: Tensor, bias: Tensor | None, relu: bool = False) -> Li
     return linear
 
 
+def onednn_available() -> bool:
+    """Whether this PyTorch has the private oneDNN ops that `packed_linear` calls: the one feature check."""
+    ops = torch.ops.mkldnn
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(ops, "_reorder_linear_weight")
+        and hasattr(ops, "_linear_pointwise")
+    )
+
+
 def can_pack(module: nn.Module) -> bool:
-    """Whether `module`'s decoding may use packed weights now (CPU float32, eval, no autograd, oneDNN)."""
+    """Whether `module`'s decoding may use packed weights now (CPU float32, eval, no autograd)."""
     weight = next(module.parameters())
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.float32
         and not module.training
         and not torch.is_grad_enabled()
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     )
 
 
-_packed: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[tuple[int, int], ...], DecoderLinears]] = (
-    weakref.WeakKeyDictionary()
-)
+ParameterKey = tuple[tuple[int, int], ...]
 
 
-def forget(module: nn.Module) -> None:
-    """Drop `module`'s packed linears (its parameters may change from now on)."""
-    _packed.pop(module, None)
-
-
-def cached(module: nn.Module, build: Callable[[], DecoderLinears]) -> DecoderLinears:
-    """`build()`'s packed linears of `module`, reused while none of its parameters has changed."""
-    key = tuple((p.data_ptr(), p._version) for p in module.parameters())
-    hit = _packed.get(module)
-    if hit is not None and hit[0] == key:
-        return hit[1]
-    linears = build()
-    _packed[module] = (key, linears)
-    return linears
+def parameter_key(module: nn.Module) -> ParameterKey:
+    """Where `module`'s parameters live and their versions: it changes when one is replaced or changed in place
+    by autograd-visible ops (a fused optimizer's updates are not, see `DecodingPlan.invalidate`)."""
+    return tuple((p.data_ptr(), p._version) for p in module.parameters())

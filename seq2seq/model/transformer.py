@@ -16,11 +16,20 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from seq2seq.config import ModelConfig
-from seq2seq.model import packed
 from seq2seq.model.attention import DecoderCache, Packing, attention_mask
 from seq2seq.model.dropout import Dropout
 from seq2seq.model.layers import DecoderLayer, EncoderLayer, FeedForward, LayerOptions
-from seq2seq.model.packed import DecoderLinears, Linear, StepLinears, can_pack, packed_linear, plain_linear
+from seq2seq.model.packed import (
+    DecoderLinears,
+    Linear,
+    ParameterKey,
+    StepLinears,
+    can_pack,
+    onednn_available,
+    packed_linear,
+    parameter_key,
+    plain_linear,
+)
 from seq2seq.vocab import PAD
 
 
@@ -127,19 +136,8 @@ class Decoder(nn.Module):
         cache.step += 1
         return cache.output(cache.searched(self.final_norm(x)[:, 0]))  # (B, V)
 
-    def train(self, mode: bool = True) -> Decoder:
-        if mode:
-            packed.forget(self)  # training changes the weights, not always visibly (see seq2seq.model.packed)
-        return super().train(mode)
-
-    def step_linears(self) -> DecoderLinears:
-        """The projections a decoding step runs: with prepacked weights where possible (seq2seq.model.packed),
-        the modules themselves otherwise."""
-        if can_pack(self):
-            try:
-                return packed.cached(self, self._packed_linears)
-            except RuntimeError:  # oneDNN refused: the modules will do
-                pass
+    def plain_linears(self) -> DecoderLinears:
+        """The projections of a decoding step as the modules themselves."""
         layers = [cast(DecoderLayer, layer) for layer in self.layers]
         return DecoderLinears(
             [
@@ -155,7 +153,9 @@ class Decoder(nn.Module):
             self.output,
         )
 
-    def _packed_linears(self) -> DecoderLinears:
+    def packed_linears(self) -> DecoderLinears:
+        """The projections of a decoding step with weights prepacked for oneDNN (seq2seq.model.packed)."""
+
         def pack(linear: nn.Linear, relu: bool = False) -> Linear:
             return packed_linear(linear.weight, linear.bias, relu)
 
@@ -182,11 +182,60 @@ class Decoder(nn.Module):
         )
 
 
+class DecodingPlan:
+    """Which projections a decoding step runs; owned by the model that decodes with it (`Seq2SeqTransformer.plan`).
+
+    With `pack`, CPU float32 eval decoding without autograd runs the decoder's
+    linears with weights prepacked by oneDNN (seq2seq.model.packed), packed once
+    and reused while the parameters stay where and as they were; everything
+    else runs the modules themselves. `pack=False` always runs the modules: for
+    torch.compile, and to test that both give the same translations.
+    """
+
+    def __init__(self, decoder: Decoder, pack: bool = True) -> None:
+        self.decoder = decoder
+        self.pack = pack and onednn_available()
+        self._packed: tuple[ParameterKey, DecoderLinears] | None = None
+
+    def linears(self) -> DecoderLinears:
+        """The projections for the batch whose decoding starts now."""
+        if self.pack and can_pack(self.decoder):
+            key = parameter_key(self.decoder)
+            if self._packed is None or self._packed[0] != key:
+                self._packed = None
+                try:
+                    self._packed = (key, self.decoder.packed_linears())
+                except RuntimeError:  # oneDNN refused: the modules will do
+                    pass
+            if self._packed is not None:
+                return self._packed[1]
+        return self.decoder.plain_linears()
+
+    @property
+    def holds_packed(self) -> bool:
+        """Whether packed copies of the weights are kept now (the last batch on CPU float32 ran with them)."""
+        return self._packed is not None
+
+    def invalidate(self) -> None:
+        """Drop the packed copies: the weights may change from now on, and fused optimizers change them
+        without bumping their versions."""
+        self._packed = None
+
+    def __getstate__(self) -> dict[str, object]:
+        return {**self.__dict__, "_packed": None}  # copies and pickles pack again when they decode
+
+
 class Seq2SeqTransformer(nn.Module):
     def __init__(self, encoder: Encoder, decoder: Decoder) -> None:
         super().__init__()
         self.encoder = encoder
         self.decoder = decoder
+        self.plan = DecodingPlan(decoder)  # a plain attribute: no weights, nothing in the state dict
+
+    def train(self, mode: bool = True) -> Seq2SeqTransformer:
+        if mode:
+            self.plan.invalidate()  # training changes the weights, not always visibly (see DecodingPlan)
+        return super().train(mode)
 
     def forward(self, src: Tensor, src_pad_mask: Tensor, tgt_in: Tensor, select: Tensor | None = None) -> Tensor:
         """Teacher-forced logits (B, T, V) for target inputs (B, T) given sources (B, S).
@@ -229,7 +278,7 @@ class Seq2SeqTransformer(nn.Module):
         B, S, _ = memory.shape
         H = attention[0].n_heads
         cross = kv.view(B, S, len(attention), 2, H, -1).permute(2, 3, 0, 4, 1, 5).contiguous()  # (L, 2, B, H, S, Dh)
-        return DecoderCache(cross, attention_mask(src_pad_mask), self.decoder.step_linears())
+        return DecoderCache(cross, attention_mask(src_pad_mask), self.plan.linears())
 
     def decode_step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
         """Logits (B, V) for the next position, given the last tokens (B, 1); advances `cache`."""
