@@ -101,7 +101,7 @@ class _Service:
         self.options = options
 
     async def translate(self, request: Request) -> Response:
-        body = await _read_body(request, self.options.max_body, self.options.body_timeout)
+        body = await _read_body(request, self.options.max_body, self.options.read_timeout)
         parsed = self.parse(body)
         tokens = sum(self.engine.source_lengths(parsed.lines))
         try:
@@ -130,7 +130,7 @@ class _Service:
                     "max_lines": o.max_lines,
                     "max_chars": o.max_chars,
                     "max_body": o.max_body,
-                    "body_timeout_s": o.body_timeout,
+                    "read_timeout_s": o.read_timeout,
                 },
                 "batching": {"max_tokens": self.batcher.max_tokens, "max_wait_ms": self.batcher.max_wait * 1000},
             }
@@ -239,7 +239,8 @@ def _guarded(handler: Handler) -> Handler:
         try:
             return await handler(request)
         except Rejected as e:
-            return JSONResponse({"error": str(e)}, status_code=e.status)
+            close = {"connection": "close"} if e.status == 408 else None  # the rest of its body may still come
+            return JSONResponse({"error": str(e)}, status_code=e.status, headers=close)
         except ClientDisconnect:  # nobody is left to answer: one line, not an internal error
             log.info("client disconnected during %s %s", request.method, request.url.path)
             return Response(status_code=400)
