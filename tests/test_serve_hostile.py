@@ -20,6 +20,7 @@ import pytest
 from conftest import WORDS
 from test_serve import RecordingEngine, Server, _asgi_post
 
+from seq2seq.cli import main
 from seq2seq.config import DecodeConfig
 from seq2seq.errors import DataError
 from seq2seq.translate import Translation
@@ -77,6 +78,22 @@ def test_bad_values_get_a_4xx_without_a_traceback(server: Server, options: dict[
     status, body = server.post({"text": ["red cat"], "options": options})
     assert status == 400 and message in body["error"], body
     assert not any("Traceback" in line or "internal error" in line for line in server.lines)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("decode.temperature=1e-300", "decode.temperature must be in [0.01, 100]; got 1e-300"),
+        ("decode.length_penalty=1e308", "decode.length_penalty must be in [-5, 5]; got 1e+308"),
+    ],
+)
+def test_the_same_bounds_hold_for_translate(
+    trained_run: Path, override: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    checkpoint = str(trained_run / "checkpoint_best.pt")
+    assert main(["translate", "-c", checkpoint, "--threads", "1", "decode.strategy=sample", override]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and message in err[0], err
 
 
 def test_a_5000_digit_integer_is_a_400(server: Server) -> None:
