@@ -61,8 +61,8 @@ def test_a_bad_prefix_fails_only_its_own_request(server: Server) -> None:
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"strategy": "sample", "temperature": 1e-300}, "decode.temperature must be in [0.01, 100]"),
-        ({"strategy": "sample", "temperature": 1e308}, "decode.temperature must be in [0.01, 100]"),
+        ({"strategy": "sample", "temperature": 1e-300}, "decode.temperature must be in [1e-06, 1e+06]"),
+        ({"strategy": "sample", "temperature": 1e308}, "decode.temperature must be in [1e-06, 1e+06]"),
         ({"length_penalty": 1e308}, "decode.length_penalty must be in [-5, 5]"),
         ({"length_penalty": -1e308}, "decode.length_penalty must be in [-5, 5]"),
         ({"max_len_a": 1e308}, "decode.max_len_a must be in [0, 65536]"),
@@ -81,9 +81,23 @@ def test_bad_values_get_a_4xx_without_a_traceback(server: Server, options: dict[
 
 
 @pytest.mark.parametrize(
+    "options",
+    [
+        {"strategy": "sample", "temperature": 1e-6, "top_k": 2**24},
+        {"strategy": "sample", "temperature": 1e6, "no_repeat_ngram": 65536},
+        {"length_penalty": 5.0, "max_len_a": 65536.0, "max_len_b": 65536},
+        {"length_penalty": -5.0, "nbest": 2, "scores": True},
+    ],
+)
+def test_values_at_the_bounds_are_answered(server: Server, options: dict[str, Any]) -> None:
+    status, body = server.post({"text": ["red cat", "blue dog sun"], "options": options})
+    assert status == 200 and len(body["translations"]) == 2, (body, "\n".join(server.lines[-6:]))
+
+
+@pytest.mark.parametrize(
     "override, message",
     [
-        ("decode.temperature=1e-300", "decode.temperature must be in [0.01, 100]; got 1e-300"),
+        ("decode.temperature=1e-300", "decode.temperature must be in [1e-06, 1e+06]; got 1e-300"),
         ("decode.length_penalty=1e308", "decode.length_penalty must be in [-5, 5]; got 1e+308"),
     ],
 )
