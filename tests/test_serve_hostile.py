@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from conftest import WORDS
-from test_serve import RecordingEngine, Server, _asgi_post
+from test_serve import RecordingEngine, Server, _asgi_post, _serve_fails
 
 from seq2seq.cli import main
 from seq2seq.config import DecodeConfig
@@ -152,6 +152,12 @@ def test_a_client_gone_mid_body_is_one_log_line(server: Server) -> None:
     assert server.get("/health")[0] == 200
     assert sum("client disconnected" in line for line in server.lines) == 1
     assert not any("Traceback" in line or "internal error" in line for line in server.lines)
+
+
+@pytest.mark.parametrize("value", ["0", "nan", "3601"])
+def test_a_bad_read_timeout_is_a_config_error(value: str) -> None:
+    code, err = _serve_fails("-c", "model.pt", "--read-timeout", value)
+    assert code == 2 and err == ["seq2seq: config error: --read-timeout must be in (0, 3600]"]
 
 
 def _head(length: int) -> bytes:
