@@ -33,6 +33,9 @@ MAX_HEADS = 1024  # model.n_heads
 MAX_LAYERS = 256  # model.encoder_layers, model.decoder_layers, model.rnn.layers
 MAX_POSITIONS = 2**16  # model.max_positions, model.max_relative_distance
 MAX_BEAM = 1024  # decode.beam_size, data.sampling_nbest
+MAX_LENGTH_PENALTY = 5.0  # |decode.length_penalty|: ((5 + 65536) / 6) ** 5 still fits a float32
+TEMPERATURES = (1e-6, 1e6)  # decode.temperature: far outside, float32 log-probs / temperature are all -inf or NaN
+MAX_TOP_K = 2**24  # decode.top_k: more than any vocabulary
 MAX_CONFIG_BYTES = 2**20  # a config file is a few KB; a larger one is not a config
 T = TypeVar("T")
 
@@ -276,8 +279,15 @@ class DecodeConfig:
         _require(self.beam_size >= 1, "decode.beam_size", "must be at least 1")
         _require_at_most(self.beam_size, MAX_BEAM, "decode.beam_size")
         _require(self.max_len >= 1, "decode.max_len", "must be at least 1")
-        _require(self.max_len_a >= 0, "decode.max_len_a", "must be >= 0")
+        _require_at_most(self.max_len, MAX_POSITIONS, "decode.max_len")
+        _require(0 <= self.max_len_a <= MAX_POSITIONS, "decode.max_len_a", f"must be in [0, {MAX_POSITIONS}]")
         _require(self.max_len_b >= 0, "decode.max_len_b", "must be >= 0")
+        _require_at_most(self.max_len_b, MAX_POSITIONS, "decode.max_len_b")
+        _require(
+            abs(self.length_penalty) <= MAX_LENGTH_PENALTY,  # also false for NaN
+            "decode.length_penalty",
+            f"must be in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}]; got {self.length_penalty:g}",
+        )
         _require(
             self.max_len_a > 0 or self.max_len_b > 0,
             "decode.max_len_b",
@@ -286,17 +296,26 @@ class DecodeConfig:
         _require(self.min_len >= 0, "decode.min_len", "must be >= 0")
         _require(self.min_len <= self.max_len, "decode.min_len", "must not exceed decode.max_len")
         _require(self.nbest >= 1, "decode.nbest", "must be at least 1")
+        _require_at_most(self.nbest, MAX_BEAM, "decode.nbest")
         _require(
             self.strategy != "beam" or self.nbest <= self.beam_size,
             "decode.nbest",
             f"({self.nbest}) must not exceed decode.beam_size ({self.beam_size})",
         )
         _require(self.no_repeat_ngram >= 0, "decode.no_repeat_ngram", "must be >= 0")
-        _require(self.temperature > 0, "decode.temperature", "must be positive")
+        _require_at_most(self.no_repeat_ngram, MAX_POSITIONS, "decode.no_repeat_ngram")
+        low, high = TEMPERATURES
+        _require(
+            low <= self.temperature <= high,  # also false for NaN
+            "decode.temperature",
+            f"must be in [{low:g}, {high:g}]; got {self.temperature:g}",
+        )
         _require(self.top_k >= 0, "decode.top_k", "must be >= 0")
+        _require_at_most(self.top_k, MAX_TOP_K, "decode.top_k")
         _require(0.0 < self.top_p <= 1.0, "decode.top_p", "must be in (0, 1]")
         _require(self.max_tokens >= 1, "decode.max_tokens", "must be positive")
         _require(self.max_input_len >= 0, "decode.max_input_len", "must be >= 0")
+        _require_at_most(self.max_input_len, MAX_POSITIONS, "decode.max_input_len")
         _require_seed(self.seed, "decode.seed")
 
 

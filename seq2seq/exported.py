@@ -213,7 +213,8 @@ class CTranslate2Translator(TextTranslator):
             "max_input_length": 0,  # truncated before, as decode.max_input_len says
         }
         if cfg.strategy == "sample":
-            options.update(sampling_topk=cfg.top_k, sampling_topp=cfg.top_p, sampling_temperature=cfg.temperature)
+            top_k = min(cfg.top_k, self.tokenizer.tgt_vocab_size)  # CTranslate2 refuses more; torch takes the min too
+            options.update(sampling_topk=top_k, sampling_topp=cfg.top_p, sampling_temperature=cfg.temperature)
         return options
 
     def _hypotheses(

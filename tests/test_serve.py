@@ -313,6 +313,9 @@ class RecordingEngine:
     def source_lengths(self, lines: list[str]) -> list[int]:
         return [len(line.split()) + 1 for line in lines]
 
+    def check_prefixes(self, prefixes: list[str]) -> None:
+        pass
+
     def translate(
         self, lines: list[str], settings: DecodeConfig, prefixes: list[str] | None = None
     ) -> list[Translation]:

@@ -8,6 +8,7 @@ a stack trace. No route reads or writes a file.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import difflib
 import json
@@ -20,13 +21,13 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from seq2seq import __version__
 from seq2seq.config import DecodeConfig
-from seq2seq.errors import ConfigError
+from seq2seq.errors import ConfigError, UserError
 from seq2seq.serve.batcher import Batcher, Busy
 from seq2seq.serve.options import ServeOptions
 from seq2seq.translate import Translation
@@ -100,13 +101,17 @@ class _Service:
         self.options = options
 
     async def translate(self, request: Request) -> Response:
-        body = await _read_body(request, self.options.max_body)
+        body = await _read_body(request, self.options.max_body, self.options.read_timeout)
         parsed = self.parse(body)
         tokens = sum(self.engine.source_lengths(parsed.lines))
         try:
+            if parsed.prefixes is not None:
+                self.engine.check_prefixes(parsed.prefixes)  # before batching: never another request's failure
             results = await self.batcher.translate(parsed.lines, parsed.settings, tokens, parsed.prefixes)
         except Busy as e:
             raise Rejected(503, f"server busy: {e}") from None
+        except UserError as e:  # this request's own input, found by the engine
+            raise Rejected(400, str(e)) from None
         nbest = parsed.settings.nbest
         return JSONResponse({"translations": [_render(r, parsed.scores, nbest) for r in results]})
 
@@ -121,7 +126,12 @@ class _Service:
                 "version": __version__,
                 "model": self.engine.describe(),
                 "options": list(OPTIONS),
-                "limits": {"max_lines": o.max_lines, "max_chars": o.max_chars, "max_body": o.max_body},
+                "limits": {
+                    "max_lines": o.max_lines,
+                    "max_chars": o.max_chars,
+                    "max_body": o.max_body,
+                    "read_timeout_s": o.read_timeout,
+                },
                 "batching": {"max_tokens": self.batcher.max_tokens, "max_wait_ms": self.batcher.max_wait * 1000},
             }
         )
@@ -130,7 +140,7 @@ class _Service:
         """The request's lines and decode settings, or Rejected naming what is wrong."""
         try:
             raw = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError, an integer of 4,300+ digits
             raise Rejected(400, 'the body must be JSON, e.g. {"text": ["a sentence"]}') from None
         if not isinstance(raw, dict):
             raise Rejected(400, 'the body must be a JSON object with a "text" list')
@@ -181,17 +191,25 @@ class _Service:
         return settings, scores
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, refused (413) as soon as it is known to exceed `limit` bytes: no more of it is read."""
+async def _read_body(request: Request, limit: int, timeout: float) -> bytes:
+    """The body, refused (413) as soon as it is known to exceed `limit` bytes: no more of it is read;
+    and 408 when it has not all arrived within `timeout` seconds, so a stalled client holds nothing."""
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
+    if declared.isdigit() and (len(declared) > 18 or int(declared) > limit):  # int() refuses 4,300+ digits
         raise Rejected(413, f"the body has {declared} bytes; the limit is {limit}")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise Rejected(413, f"the body exceeds the limit of {limit} bytes")
-    return bytes(body)
+
+    async def read() -> bytes:
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise Rejected(413, f"the body exceeds the limit of {limit} bytes")
+        return bytes(body)
+
+    try:
+        return await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError:
+        raise Rejected(408, f"the body did not arrive within {timeout:g} s") from None
 
 
 def _render(result: Translation, scores: bool, nbest: int) -> Any:
@@ -221,7 +239,11 @@ def _guarded(handler: Handler) -> Handler:
         try:
             return await handler(request)
         except Rejected as e:
-            return JSONResponse({"error": str(e)}, status_code=e.status)
+            close = {"connection": "close"} if e.status == 408 else None  # the rest of its body may still come
+            return JSONResponse({"error": str(e)}, status_code=e.status, headers=close)
+        except ClientDisconnect:  # nobody is left to answer: one line, not an internal error
+            log.info("client disconnected during %s %s", request.method, request.url.path)
+            return Response(status_code=400)
         except Exception:
             error_id = uuid.uuid4().hex[:12]
             log.exception("internal error %s on %s %s", error_id, request.method, request.url.path)

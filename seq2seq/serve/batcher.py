@@ -126,7 +126,11 @@ class Batcher:
         return batch
 
     async def _decode(self, batch: list[_Job]) -> None:
-        """Decode the batch in the worker thread and hand each request its own slice of the results."""
+        """Decode the batch in the worker thread and hand each request its own slice of the results.
+
+        A batch that fails is decoded again one request at a time, so that only the request
+        that fails gets the error: one request never fails another.
+        """
         lines = [line for job in batch for line in job.lines]
         loop = asyncio.get_running_loop()
         self.batches += 1
@@ -140,10 +144,15 @@ class Batcher:
                 "batch %d: %d requests, %d lines, %.1f ms",
                 *(self.batches, len(batch), len(lines), (time.perf_counter() - started) * 1000),
             )
-        except Exception as e:  # reported to each caller, who logs it with an error id
+        except Exception as e:  # reported to the caller, who answers it (and logs an internal error)
+            if len(batch) == 1:
+                if not batch[0].result.done():
+                    batch[0].result.set_exception(e)
+                return
+            log.info("batch %d failed (%s); decoding its %d requests one by one", self.batches, e, len(batch))
             for job in batch:
                 if not job.result.done():
-                    job.result.set_exception(e)
+                    await self._decode([job])
             return
         start = 0
         for job in batch:

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from seq2seq.config import DecodeConfig, to_dict
+from seq2seq.errors import DataError
 from seq2seq.translate import TextTranslator, Translation
 
 
@@ -27,6 +28,11 @@ class Engine(Protocol):
 
     def source_lengths(self, lines: Sequence[str]) -> list[int]:
         """Source subwords of each line (EOS included): what a batch's token budget counts."""
+        ...
+
+    def check_prefixes(self, prefixes: Sequence[str]) -> None:
+        """DataError (a UserError) naming the first prefix the model cannot take: checked per request,
+        before batching, so that one request's prefix never fails the others in its batch."""
         ...
 
     def translate(
@@ -59,6 +65,13 @@ class TranslatorEngine:
 
     def source_lengths(self, lines: Sequence[str]) -> list[int]:
         return [len(ids) + 1 for ids in self._translator.tokenizer.encode_src([line.strip() for line in lines])]
+
+    def check_prefixes(self, prefixes: Sequence[str]) -> None:
+        t = self._translator
+        limit = t.max_positions - 1  # as `translate_full` allows: room for EOS
+        for i, ids in enumerate(t.tokenizer.encode_tgt([prefix.strip() for prefix in prefixes])):
+            if len(ids) > limit:
+                raise DataError(f"prefix[{i}] has {len(ids)} subwords; the model allows {limit}")
 
     def translate(
         self, lines: Sequence[str], settings: DecodeConfig, prefixes: Sequence[str] | None = None

@@ -20,6 +20,7 @@ class ServeOptions:
     batch_wait_ms: float = 5.0  # how long the oldest waiting request may wait for others to join it
     max_queue: int = 1000  # requests waiting for the decoder; more are refused with 503
     shutdown_timeout: int = 30  # seconds to finish in-flight requests after SIGTERM/SIGINT
+    read_timeout: float = 30.0  # seconds to receive a request's head, and again its body (else closed, or 408)
 
     def __post_init__(self) -> None:
         _require(0 <= self.port <= 65535, "--port", "must be in [0, 65535]")
@@ -28,6 +29,7 @@ class ServeOptions:
         _require(self.batch_tokens >= 0, "--batch-tokens", "must be >= 0")
         _require(0 <= self.batch_wait_ms <= 1000, "--batch-wait-ms", "must be in [0, 1000]")
         _require(0 <= self.shutdown_timeout <= 3600, "--shutdown-timeout", "must be in [0, 3600]")
+        _require(0 < self.read_timeout <= 3600, "--read-timeout", "must be in (0, 3600]")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeOptions:
@@ -74,6 +76,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=d.batch_wait_ms,
         help=f"how long a request may wait for others to share its batch ({d.batch_wait_ms:g})",
+    )
+    limits.add_argument(
+        "--read-timeout",
+        type=float,
+        default=d.read_timeout,
+        help=f"seconds to receive a request's head, and again its body; then cut off ({d.read_timeout:g})",
     )
     parser.add_argument(
         "--shutdown-timeout",

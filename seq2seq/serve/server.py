@@ -9,6 +9,7 @@ the command exits 0: stopping a server is its normal end.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import logging
 import signal
@@ -18,6 +19,7 @@ from contextlib import contextmanager
 from types import FrameType
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from seq2seq.errors import UserError
 from seq2seq.serve.app import create_app
@@ -39,6 +41,7 @@ def serve(load_engine: Callable[[], Engine], options: ServeOptions) -> int:
             log_config=None,
             access_log=False,
             timeout_graceful_shutdown=options.shutdown_timeout,
+            http=_with_head_timeout(options.read_timeout),
         )
         server = _Server(config, batcher)
         with _signals_noted():
@@ -83,6 +86,45 @@ def _signals_noted() -> Iterator[None]:
 
 def _note(sig: int, frame: FrameType | None) -> None:
     log.debug("%s received after the server stopped", signal.Signals(sig).name)
+
+
+def _with_head_timeout(seconds: float) -> type[H11Protocol]:
+    """uvicorn's HTTP/1.1 with a deadline for each request's head.
+
+    uvicorn times out only the idle time after a response, and any byte resets
+    that; a client that connects and sends nothing, or its headers a byte at a
+    time, would hold its connection forever. (The body has its own deadline in
+    the app: a 408.)
+    """
+
+    class HeadTimeout(H11Protocol):
+        _deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            self._deadline = self.loop.call_later(seconds, self._expired)
+
+        def _expired(self) -> None:
+            idle = self.cycle is None or self.cycle.response_complete  # no request in progress: no head yet
+            if idle and not self.transport.is_closing():
+                log.info("closed a connection that sent no request within %g s", seconds)
+                self.timeout_keep_alive_handler()
+
+    return HeadTimeout
 
 
 class _Server(uvicorn.Server):
