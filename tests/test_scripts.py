@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import ROOT, single_thread_env
 
 SCRIPTS = ROOT / "scripts"
@@ -166,3 +167,10 @@ def test_lectures_table_reads_a_run_and_its_scores(
         [sys.executable, str(SCRIPTS / "lectures_table.py"), str(run)], capture_output=True, text=True
     )
     assert failed.returncode != 0 and f"{run}: train.log has no finished training" in failed.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the script runs the whole CUDA check")
+def test_gpu_check_says_there_is_no_cuda_device_and_succeeds() -> None:
+    done = subprocess.run(["bash", str(SCRIPTS / "gpu_check.sh")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "no CUDA device: nothing to check" in done.stdout
