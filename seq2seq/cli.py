@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, BinaryIO, TypeVar
 
+from seq2seq import interrupt
 from seq2seq.config import MAX_THREADS, apply_overrides, load_config
 from seq2seq.data import decode_lines, read_lines
 from seq2seq.errors import ConfigError, DataError, UserError
@@ -54,9 +55,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:  # e.g. an --input file that does not exist: the system's message says it all
         print(f"seq2seq: error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # Ctrl-C while loading a model, translating, scoring...
-        print("seq2seq: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C while loading a model, translating, scoring...
+        return interrupt.report(e)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -236,11 +236,10 @@ def _train(args: argparse.Namespace) -> int:
         with peer_failures():
             trainer = Trainer(cfg)
             trainer.fit()
-    except KeyboardInterrupt:  # before training started, or a second Ctrl-C
-        print("seq2seq: interrupted; checkpoint_last.pt (if any) holds the last saved state", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # before training started, or a second Ctrl-C
+        return interrupt.report(e, "; checkpoint_last.pt (if any) holds the last saved state")
     if trainer.stop.received:
-        print(f"seq2seq: stopped by {trainer.stop.received}; run the same command to resume", file=sys.stderr)
+        print(f"seq2seq: stopped by {trainer.stop.received.name}; run the same command to resume", file=sys.stderr)
     return trainer.stop.exit_code
 
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from seq2seq import interrupt
 from seq2seq.errors import DataError
 from seq2seq.tokenizer import Sampling, Tokenizer
 from seq2seq.vocab import BOS, EOS, PAD
@@ -60,11 +61,13 @@ def decode_lines(stream: LineSource, name: str) -> Iterator[str]:
     Only a newline byte ends a line: a carriage return, U+2028 or U+0085 inside a line
     stays there (text mode and `str.splitlines` would split it and shift every later line).
     A line is read MAX_LINE_BYTES at most, so binary data (or /dev/zero) fails fast instead of
-    filling memory; a corrupt gzip stream fails naming the file.
+    filling memory; a corrupt gzip stream fails naming the file. Each line is a safe point for
+    a Ctrl-C, and one while waiting for a line (a terminal, a pipe) stops the command at once.
     """
     for number in itertools.count(1):
         try:
-            raw = stream.readline(MAX_LINE_BYTES + 1)
+            with interrupt.at_once():
+                raw = stream.readline(MAX_LINE_BYTES + 1)
         except zlib.error as e:
             raise DataError(f"{name}: cannot read: corrupt compressed data ({e})") from None
         if not raw:

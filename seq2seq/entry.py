@@ -3,7 +3,10 @@
 Importing the CLI loads numpy, SentencePiece and YAML (a few hundred milliseconds);
 a Ctrl-C then must end like one at any other time, with `seq2seq: interrupted` and
 exit code 130, not a traceback. So this module imports only the standard library
-(and `seq2seq.errors`) before it. It also makes closed standard streams safe: a
+(and `seq2seq.errors`, `seq2seq.interrupt`) before it, and turns SIGINT and SIGTERM
+into requests the command honours at its safe points (`seq2seq.interrupt`) for
+its whole run: one that arrives after the last safe point still ends the command
+with 130 or 143, never 0. It also makes closed standard streams safe: a
 file opened later must never land on descriptor 1 and receive the translations,
 and writing to a closed stdout is a one-line error, not an AttributeError.
 """
@@ -15,20 +18,22 @@ import os
 import sys
 from collections.abc import Sequence
 
+from seq2seq import interrupt
 from seq2seq.errors import UserError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        _guard_standard_streams()
-        from seq2seq.cli import main as run
+        with interrupt.Interrupts() as interrupts:
+            _guard_standard_streams()
+            from seq2seq.cli import main as run
 
-        code = run(argv)
-        _flush_stdout()
-        return code
-    except KeyboardInterrupt:
-        print("seq2seq: interrupted", file=sys.stderr)
-        return 130
+            code = run(argv)
+            _flush_stdout()
+            interrupts.check()
+            return code
+    except KeyboardInterrupt as e:
+        return interrupt.report(e)
 
 
 class ClosedStdout(io.TextIOBase):

@@ -35,6 +35,7 @@ import multiprocessing
 import os
 import random
 import re
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
@@ -44,6 +45,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from seq2seq import interrupt
 from seq2seq.config import DataConfig
 from seq2seq.data import decode_lines, find_file, misaligned, no_pairs
 from seq2seq.errors import ConfigError, DataError
@@ -343,7 +345,10 @@ _worker_tokenizer: Tokenizer | None = None
 
 
 def _init_worker(state: dict[str, bytes | None]) -> None:
+    """Set up an encoding process; a Ctrl-C to the terminal's group is for the parent, which ends the pool."""
     global _worker_tokenizer
+    if multiprocessing.parent_process() is not None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     _worker_tokenizer = Tokenizer.from_state(state)
 
 
@@ -401,6 +406,7 @@ def _write_shards(
     max_ids = {name: [-1, -1] for name in parts}  # recorded, and checked against the ids when opened
     files: dict[str, list[BinaryIO]] = {}
     for (_, name, *_), (src, src_len, tgt, tgt_len, lines, drops) in zip(tasks, results):
+        interrupt.check()  # a safe point between chunks: the temporary directory is removed
         if name not in files:
             files[name] = [open(directory / f"{name}.{side}.ids", "wb") for side in ("src", "tgt")]
         for side, (f, ids) in enumerate(zip(files[name], (src, tgt))):

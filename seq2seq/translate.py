@@ -21,6 +21,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 from torch import Tensor
 
+from seq2seq import interrupt
 from seq2seq.alignment import AttentionMap, LayerChoice, model_attention, require_attention
 from seq2seq.checkpoint import load_checkpoint
 from seq2seq.config import DataConfig, DecodeConfig, from_dict, replace_checked, to_dict
@@ -123,6 +124,7 @@ class TextTranslator:
             progress(len(lines) - len(todo))
         with self._running():
             for batch in make_batches([len(ids[i]) for i in todo], self.decode.max_tokens):
+                interrupt.check()  # a safe point between batches
                 indices = [todo[j] for j in batch]
                 batch_prefixes = None
                 if forced is not None and any(forced[i] for i in indices):

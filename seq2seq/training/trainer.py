@@ -27,6 +27,7 @@ from typing import Any
 
 from seq2seq.checkpoint import Checkpoint, Progress, TrainingState
 from seq2seq.config import ExperimentConfig, save_config
+from seq2seq.interrupt import Interrupts
 from seq2seq.run_dir import RunDirectory
 from seq2seq.tokenizer import Tokenizer
 from seq2seq.training import distributed as dist
@@ -42,7 +43,6 @@ from seq2seq.training.setup import (
     training_data,
     wrap_ddp,
 )
-from seq2seq.training.signals import StopSignal
 from seq2seq.training.stopping import StopPolicy
 from seq2seq.training.update import UpdateStep
 
@@ -87,7 +87,7 @@ class Trainer:
             save_config(cfg, self.run.config)
             self.tokenizer.save(self.run.path)
             self.writer = monitor.tensorboard(self.run.tensorboard, self.progress.step)
-        self.meter, self.stop, self.start_time = monitor.Meter(), StopSignal(), time.monotonic()
+        self.meter, self.stop, self.start_time = monitor.Meter(), Interrupts(library_checks=False), time.monotonic()
         params = sum(p.numel() for p in self.model.parameters()) / 1e6
         log.info("model: %.2fM parameters; %s, %s, %d process(es)", params, self.device, precision, dist.world_size())
 
@@ -165,6 +165,8 @@ class Trainer:
     def _finish(self, reason: str) -> None:
         p = self.progress
         if reason == "signal":
+            by = self.stop.received.name if self.stop.received else "a signal to another process"
+            log.warning("%s: saving step %d and stopping (a second signal quits without saving)", by, p.step)
             self._save()
             log.info("stopped by a signal at step %d; run the same command to resume", p.step)
             return

@@ -1,0 +1,150 @@
+"""Ctrl-C and SIGTERM as a request that the main thread honours at safe points.
+
+Python's own SIGINT handler raises KeyboardInterrupt wherever the main thread
+happens to be, and that can be inside a garbage-collector callback, a weakref
+callback or a `__del__`: Python then prints "Exception ignored in ..." and
+carries on, and a translation that was asked to stop exits 0 with half its
+output. Here a signal only records itself; the work checks at its safe points
+(between input lines, batches, updates) and stops there with `Interrupted`,
+whose exit code is the shell's (130 for SIGINT, 143 for SIGTERM).
+
+Around a blocking call where nothing can be half-done (waiting for the next
+input line), `at_once()` lets a signal raise immediately, so an idle command
+still stops at once. It raises only when the signal is handled in the frame
+that made the call: a callback that runs during the wait (the garbage
+collector's, a finalizer) never sees the exception, and the recorded signal
+stops the command at its next safe point instead. A signal is never lost.
+
+This module imports only the standard library: the command installs it before
+its heavy imports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import time
+from collections.abc import Callable
+from types import FrameType, TracebackType
+from typing import Any
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(KeyboardInterrupt):
+    """The command was asked to stop by `signum`; raised only at a safe point (or where nothing is half-done)."""
+
+    def __init__(self, signum: int) -> None:
+        self.signal = signal.Signals(signum)
+        super().__init__(self.signal.name)
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal's number, as a shell reports death by that signal."""
+        return 128 + self.signal
+
+
+class Interrupts:
+    """While entered, SIGINT and SIGTERM are recorded instead of raising wherever they land.
+
+    Signals the process inherited as ignored stay ignored (a shell starts background
+    jobs with SIGINT ignored). A second signal more than `grace` seconds after the
+    first raises at once, for a user who does not want to wait for the next safe
+    point; signals within the grace period are the same request (Ctrl-C reaches
+    every process of the terminal's group, and torchrun forwards it again).
+    """
+
+    def __init__(self, grace: float = 2.0, library_checks: bool = True) -> None:
+        """library_checks: whether the module-level `check()` of library code (translation's batches,
+        prepare's chunks) stops for these signals; a trainer that stops only between its updates
+        says False, so that a validation in progress runs to its end and the step is saved."""
+        self.received: signal.Signals | None = None
+        self.grace = grace
+        self.library_checks = library_checks
+        self.waiting: FrameType | None = None  # the frame blocked in an `at_once` call
+        self._first = 0.0
+        self._previous: dict[int, Handler] = {}
+        self._outer: Interrupts | None = None
+
+    def __enter__(self) -> Interrupts:
+        global _active
+        for sig in SIGNALS:
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        self._outer, _active = _active, self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        global _active
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+        _active = self._outer
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.received is None:
+            self.received, self._first = signal.Signals(signum), time.monotonic()
+            if frame is not None and frame is self.waiting:
+                raise Interrupted(signum)
+        elif frame is self.waiting or time.monotonic() - self._first > self.grace:
+            raise Interrupted(self.received)
+
+    def check(self) -> None:
+        """A safe point: stop here if a signal arrived."""
+        if self.received is not None:
+            raise Interrupted(self.received)
+
+    def at_once(self) -> _AtOnce:
+        """`with interrupts.at_once(): line = stream.readline()`: a signal during the call raises at once."""
+        return _AtOnce(self)
+
+    @property
+    def exit_code(self) -> int:
+        """The shell's code for death by the signal received (130, 143), or 0: a run that stopped
+        early must not read as finished to `&&`, `set -e` or a script driving it."""
+        return 128 + self.received if self.received is not None else 0
+
+
+Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None  # what signal.getsignal returns
+
+
+class _AtOnce:
+    """The `with` statement's frame is the one a signal may raise in until the block ends."""
+
+    __slots__ = ("owner", "saved")
+
+    def __init__(self, owner: Interrupts) -> None:
+        self.owner = owner
+        self.saved: FrameType | None = None
+
+    def __enter__(self) -> None:
+        self.owner.check()
+        self.saved, self.owner.waiting = self.owner.waiting, sys._getframe(1)
+
+    def __exit__(self, kind: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.owner.waiting = self.saved
+
+
+_active: Interrupts | None = None  # the innermost entered Interrupts; signal handlers are per process anyway
+
+
+def check() -> None:
+    """A safe point for library code: raises `Interrupted` if the running command received a signal."""
+    if _active is not None and _active.library_checks:
+        _active.check()
+
+
+def at_once() -> contextlib.AbstractContextManager[None]:
+    """`Interrupts.at_once` of the running command; nothing when there is none (a library caller)."""
+    if _active is not None and _active.library_checks:
+        return _active.at_once()
+    return contextlib.nullcontext()
+
+
+def report(e: KeyboardInterrupt, detail: str = "") -> int:
+    """Say in one line that the command was interrupted (by what, when not Ctrl-C); the exit code to return."""
+    code = e.exit_code if isinstance(e, Interrupted) else 130
+    by = f" by {e.signal.name}" if isinstance(e, Interrupted) and e.signal != signal.SIGINT else ""
+    print(f"seq2seq: interrupted{by}{detail}", file=sys.stderr)
+    return code
