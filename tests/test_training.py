@@ -188,6 +188,7 @@ def test_rdrop_reaches_the_training_step_and_trains(small: Path, tmp_path: Path)
         (2, 3, 10, ("train.rdrop_alpha=2",)),
         (1, 5, 20, ("model.arch=rnn", "model.rnn.hidden_size=32", "model.rnn.attention=mlp")),
         (1, 5, 20, ("train.num_workers=2", "data.sampling_alpha=0.2")),  # collated in worker processes
+        (2, 3, 10, ("train.precision=bf16",)),  # autocast, bounded rows, the kernel choice: on every CPU kind
     ],
 )
 def test_resume_reaches_the_same_weights_as_an_uninterrupted_run(
