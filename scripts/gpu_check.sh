@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Proves the CUDA path on a machine with a GPU; says so and exits 0 where there is none.
 #
-# 1. the test suite, with CUDA visible (tests that take a device run there);
+# 1. the equivalence tests parametrized by device (tests/conftest.py `device`) on CUDA, then the whole suite;
 # 2. the quickstart config for 300 updates in fp32, bf16 and fp16 (gradient scaler) on CUDA;
 # 3. translate and evaluate of the fp32 run on CUDA, and serve answering one request on CUDA;
 # 4. the peer suite's training and decoding against HF on the GPU, where ../shared/bench-peers exists.
@@ -23,6 +23,7 @@ note() { echo "$*" | tee -a "$SUMMARY"; }
 note "device: $($PY -c 'import torch; print(torch.cuda.get_device_name(0), "torch", torch.__version__)')"
 
 note "== tests"
+if $PY -m pytest -q -k cuda -rs > "$OUT/tests_cuda.log" 2>&1; then note "equivalence tests on CUDA: $(tail -1 "$OUT/tests_cuda.log")"; else note "equivalence tests on CUDA FAILED: $(grep -E '^FAILED' "$OUT/tests_cuda.log" | head -5 | tr '\n' ' ')"; fi
 if $PY -m pytest -q -x > "$OUT/tests.log" 2>&1; then note "tests: $(tail -1 "$OUT/tests.log")"; else note "tests FAILED: $(tail -1 "$OUT/tests.log")"; fi
 
 note "== quickstart, 300 updates on CUDA"

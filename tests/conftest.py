@@ -13,6 +13,11 @@ import torch
 from seq2seq.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, for the CUDA runs below
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")),
+]
 TINY = ROOT / "configs" / "tiny.yaml"
 WORDS = "red blue green cat dog sun moon tree car house bird fish".split()
 
@@ -65,6 +70,27 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> Iterator[torch.device]:
+    """Where an equivalence test runs: the CPU, and CUDA too when there is a GPU (`scripts/gpu_check.sh`).
+
+    On CUDA without TF32 and with deterministic kernels where torch has them, so that what is exact on
+    the CPU (a resume, an accumulation) is exact there too.
+    """
+    where = torch.device(request.param)
+    if where.type != "cuda":
+        yield where
+        return
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield where
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def single_thread_env() -> dict[str, str]:

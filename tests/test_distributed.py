@@ -29,7 +29,12 @@ COMMON = (
 )
 
 
-def test_two_gloo_processes_match_one_process_with_the_doubled_batch(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs"))],
+)
+def test_two_processes_match_one_process_with_the_doubled_batch(tmp_path: Path, device: str) -> None:
+    """gloo on the CPU, NCCL with one GPU a process on CUDA."""
     corpus = write_corpus(tmp_path / "corpus", n_train=600)
     ddp_run, single_run = tmp_path / "ddp", tmp_path / "single"
     command = [
@@ -43,13 +48,14 @@ def test_two_gloo_processes_match_one_process_with_the_doubled_batch(tmp_path: P
         "train",
         "--config",
         str(TINY),
-        *tiny_overrides(corpus, ddp_run, *COMMON, "train.update_freq=1"),
+        *tiny_overrides(corpus, ddp_run, *COMMON, "train.update_freq=1", f"train.device={device}"),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
 
-    single = train(load_config(TINY, tiny_overrides(corpus, single_run, *COMMON, "train.update_freq=2")))
+    single_overrides = tiny_overrides(corpus, single_run, *COMMON, "train.update_freq=2", f"train.device={device}")
+    single = train(load_config(TINY, single_overrides))
 
     assert (ddp_run / "spm.model").read_bytes() == (single_run / "spm.model").read_bytes()
     ddp = ckpt.read(ddp_run / LAST)

@@ -360,6 +360,15 @@ def test_no_repeat_ngram_in_search() -> None:
 # The trained tiny model: the cache and beam size 1 against their references.
 
 
+def on(
+    device: torch.device, model: torch.nn.Module, src: Tensor, mask: Tensor
+) -> tuple[torch.nn.Module, Tensor, Tensor]:
+    """The shared tiny model and its batch on `device` (a copy there: the fixture's model stays on the CPU)."""
+    if device.type == "cpu":
+        return model, src, mask
+    return copy.deepcopy(model).to(device), src.to(device), mask.to(device)
+
+
 @pytest.fixture(scope="module")
 def tiny(trained_run: Path) -> tuple[torch.nn.Module, Tensor, Tensor]:
     from conftest import reversal_pairs
@@ -374,8 +383,10 @@ def tiny(trained_run: Path) -> tuple[torch.nn.Module, Tensor, Tensor]:
 
 
 @pytest.mark.parametrize("strategy", ["greedy", "beam"])
-def test_cached_decoding_equals_uncached(tiny: tuple[torch.nn.Module, Tensor, Tensor], strategy: str) -> None:
-    model, src, mask = tiny
+def test_cached_decoding_equals_uncached(
+    tiny: tuple[torch.nn.Module, Tensor, Tensor], strategy: str, device: torch.device
+) -> None:
+    model, src, mask = on(device, *tiny)
     decode = DecodeConfig(strategy=strategy, beam_size=4, nbest=4)  # type: ignore[arg-type]
     cached = search(model, src, mask, decode, 100)
     uncached = uncached_search(model, src, mask, decode, 100)
@@ -405,8 +416,10 @@ def test_packing_off_translates_the_same(tiny: tuple[torch.nn.Module, Tensor, Te
         assert p.token_scores == pytest.approx(q.token_scores, abs=1e-5)
 
 
-def test_beam_size_one_is_greedy_on_the_tiny_model(tiny: tuple[torch.nn.Module, Tensor, Tensor]) -> None:
-    model, src, mask = tiny
+def test_beam_size_one_is_greedy_on_the_tiny_model(
+    tiny: tuple[torch.nn.Module, Tensor, Tensor], device: torch.device
+) -> None:
+    model, src, mask = on(device, *tiny)
     decode = DecodeConfig(beam_size=1)
     beam = search(model, src, mask, replace(decode, strategy="beam"), 100)
     greedy = search(model, src, mask, replace(decode, strategy="greedy"), 100)
@@ -420,11 +433,13 @@ ARCHITECTURES = ["relative", "rope", "rnn-lstm-none-unidirectional", "rnn-gru-ge
 
 
 @pytest.mark.parametrize("name", ARCHITECTURES)
-def test_beam_one_is_greedy_and_the_batch_does_not_matter_for_every_architecture(name: str) -> None:
-    from test_model import source_batch, tiny_model, variant
+def test_beam_one_is_greedy_and_the_batch_does_not_matter_for_every_architecture(
+    name: str, device: torch.device
+) -> None:
+    from test_model import on, source_batch, tiny_model, variant
 
-    model = tiny_model(**variant(name))
-    src, mask = source_batch()
+    model = tiny_model(**variant(name)).to(device)
+    src, mask = on(device, *source_batch())
     decode = cfg(beam_size=1, max_len=8, length_penalty=1.0)
     beam = search(model, src, mask, replace(decode, strategy="beam"), 31)
     greedy = search(model, src, mask, replace(decode, strategy="greedy"), 31)

@@ -109,8 +109,11 @@ def test_schedules_are_pure_functions_of_the_step() -> None:
 # Gradient accumulation.
 
 
-def test_accumulating_two_batches_equals_one_batch_of_their_union(small: Path, tmp_path: Path) -> None:
-    trainer = Trainer(config(small, tmp_path / "run", "model.dropout=0"))
+def test_accumulating_two_batches_equals_one_batch_of_their_union(
+    small: Path, tmp_path: Path, device: torch.device
+) -> None:
+    on = (f"train.device={device.type}", "train.precision=fp32")  # the arithmetic, not the rounding of bf16/fp16
+    trainer = Trainer(config(small, tmp_path / "run", "model.dropout=0", *on))
     try:
         first, second = trainer.epochs.batches(1)[0], trainer.epochs.batches(1)[1]
         parts = [collate_ids(trainer, first), collate_ids(trainer, second)]
@@ -192,7 +195,7 @@ def test_rdrop_reaches_the_training_step_and_trains(small: Path, tmp_path: Path)
     ],
 )
 def test_resume_reaches_the_same_weights_as_an_uninterrupted_run(
-    small: Path, tmp_path: Path, update_freq: int, stop: int, end: int, extra: tuple[str, ...]
+    small: Path, tmp_path: Path, update_freq: int, stop: int, end: int, extra: tuple[str, ...], device: torch.device
 ) -> None:
     """Dropout on (so the RNG matters), stopped mid-epoch (so the data position matters), across an epoch end;
     with subword sampling, the resumed epoch must be segmented as before; with R-Drop, both passes masked as before."""
@@ -201,6 +204,7 @@ def test_resume_reaches_the_same_weights_as_an_uninterrupted_run(
         "model.attention_dropout=0.1",
         f"train.update_freq={update_freq}",
         "train.warmup_steps=4",
+        f"train.device={device.type}",
         *extra,
     )
     whole = train(config(small, tmp_path / "whole", *settings, f"train.max_steps={end}"))
