@@ -16,10 +16,12 @@ settings map onto its options:
                                     other samples than PyTorch's; a later seed change cannot reach it)
     max_tokens, max_input_len       this module's batching and truncation, as the PyTorch path
 
-Two settings cannot be honoured exactly, and a warning says so: CTranslate2's
-beam search prunes with length**alpha, not GNMT's ((5 + length) / 6)**alpha,
-so with length_penalty != 0 its beam may keep other hypotheses; and a seed
-changed after loading (with_decode, a server request) does not reseed it. Token
+Two settings cannot be honoured exactly: CTranslate2's beam search prunes with
+length**alpha, not GNMT's ((5 + length) / 6)**alpha, so with length_penalty != 0
+its beam may keep other hypotheses; and a seed changed after loading (with_decode,
+a server request) does not reseed it. A warning says so when the user asks for
+such a setting (an override, a request); the exported defaults load quietly, the
+caveat in the debug log (-v). Token
 log-probabilities (JSONL output) come from CTranslate2 scoring each hypothesis.
 
 The directory is checked before it loads: `seq2seq-manifest.json`, written by
@@ -99,8 +101,6 @@ class CTranslate2Translator(TextTranslator):
         self._max_positions = config.model.max_positions
         self.token_scores = token_scores
         self.seed = config.decode.seed  # what the engine's generator was seeded with
-        for message in self._unhonoured():
-            log.warning(message)
 
     @classmethod
     def from_directory(
@@ -126,6 +126,7 @@ class CTranslate2Translator(TextTranslator):
             raw = to_dict(config)
             raw["decode"].update(decode)
             config = from_dict(raw, source="CTranslate2Translator.from_directory")
+        asked = {key.partition("=")[0].removeprefix("decode.") for key in overrides} | set(decode)
         if device == "auto":
             device = "cuda" if ctranslate2.get_cuda_device_count() > 0 else "cpu"
         ctranslate2.set_random_seed(config.decode.seed)  # each worker thread seeds its generator when it starts
@@ -133,7 +134,10 @@ class CTranslate2Translator(TextTranslator):
             engine = ctranslate2.Translator(str(path), device=device, intra_threads=threads, inter_threads=1)
         except (RuntimeError, ValueError) as e:  # a damaged model.bin, a device CTranslate2 was not built for
             raise UserError(f"CTranslate2 cannot load {path}: {str(e).splitlines()[0]}") from None
-        return cls(engine, tokenizer, config, token_scores)
+        translator = cls(engine, tokenizer, config, token_scores)
+        for key, message in translator._unhonoured():
+            log.log(logging.WARNING if key in asked else logging.DEBUG, message)
+        return translator
 
     @property
     def max_positions(self) -> int:
@@ -147,24 +151,26 @@ class CTranslate2Translator(TextTranslator):
         """Warns about a setting it cannot honour only when the change brings it (a server asks per request)."""
         translator = super().with_decode(**changes)
         known = self._unhonoured()
-        for message in translator._unhonoured():
-            if message not in known:
-                log.warning(message)
+        for item in translator._unhonoured():
+            if item not in known:
+                log.warning(item[1])
         return translator
 
-    def _unhonoured(self) -> list[str]:
-        """One line per decode setting that CTranslate2 cannot honour exactly."""
+    def _unhonoured(self) -> list[tuple[str, str]]:
+        """(decode key, one line) per decode setting that CTranslate2 cannot honour exactly."""
         cfg, messages = self.decode, []
         if cfg.strategy == "beam" and cfg.length_penalty != 0:
-            messages.append(
+            messages.append((
+                "length_penalty",
                 f"decode.length_penalty={cfg.length_penalty:g}: CTranslate2's beam prunes with length**alpha, not "
-                "GNMT's ((5 + length) / 6)**alpha, so beam results can differ from the PyTorch path's"
-            )
+                "GNMT's ((5 + length) / 6)**alpha, so beam results can differ from the PyTorch path's",
+            ))  # fmt: skip
         if cfg.strategy == "sample" and cfg.seed != self.seed:
-            messages.append(
+            messages.append((
+                "seed",
                 f"decode.seed={cfg.seed}: CTranslate2's generator was seeded with {self.seed} when the model loaded "
-                "and cannot be reseeded; load the model again with this seed"
-            )
+                "and cannot be reseeded; load the model again with this seed",
+            ))  # fmt: skip
         return messages
 
     def _search(self, sources: list[list[int]], prefixes: list[list[int]] | None) -> list[list[Hypothesis]]:

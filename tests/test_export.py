@@ -247,3 +247,9 @@ def test_a_setting_that_cannot_be_honoured_is_said_once(
         beam.with_decode(beam_size=2)  # what a server does per request: nothing new to say
         beam.with_decode(strategy="sample", seed=beam.seed + 1)  # a new seed cannot reach the engine
         assert len(caplog.records) == 2 and caplog.records[1].getMessage().startswith("decode.seed=")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="seq2seq.exported"):
+        default = CTranslate2Translator.from_directory(exported, threads=1)  # the exported settings: quiet
+        assert default.decode.strategy == "beam" and default.decode.length_penalty != 0 and not caplog.records
+        CTranslate2Translator.from_directory(exported, threads=1, overrides=["decode.length_penalty=0.6"])
+        assert [r.getMessage().split(":")[0] for r in caplog.records] == ["decode.length_penalty=0.6"]
