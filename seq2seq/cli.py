@@ -13,10 +13,9 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from seq2seq.config import MAX_THREADS, load_config
+from seq2seq.config import load_config
 from seq2seq.errors import ConfigError, UserError
 from seq2seq.serve import options as serve_options
 
@@ -236,21 +235,9 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    """Prepare (or check) the training data; a run with a checkpoint keeps its tokenizer."""
-    cfg = load_config(args.config, args.overrides)
-    if not 0 <= args.workers <= MAX_THREADS:
-        raise ConfigError(f"--workers must be in [0, {MAX_THREADS}], got {args.workers}")
-    from seq2seq.prepare import ensure_prepared
-    from seq2seq.run_dir import RunDirectory
-    from seq2seq.training.setup import prepared_path
+    from seq2seq.app.runs import prepare_data
 
-    run = RunDirectory(cfg.train.run_dir)
-    run.acquire()  # never rebuild the data under a `train` running in this directory
-    try:
-        resume = run.resume_point()
-        ensure_prepared(cfg.data, prepared_path(cfg), resume.tokenizer if resume else None, args.workers)
-    finally:
-        run.release()
+    prepare_data(load_config(args.config, args.overrides), args.workers)
     return 0
 
 
@@ -282,21 +269,9 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 
 def _average(args: argparse.Namespace) -> int:
-    from seq2seq.app.files import refuse_overwriting
-    from seq2seq.checkpoint import average_checkpoints
-    from seq2seq.run_dir import RunDirectory
+    from seq2seq.app.runs import average
 
-    if args.last < 1:
-        raise ConfigError("average --last must be at least 1")
-    paths = [Path(p) for p in args.checkpoints]
-    if args.run_dir:
-        if not Path(args.run_dir).is_dir():
-            raise UserError(f"run directory not found: {args.run_dir}")
-        paths += RunDirectory(args.run_dir).latest(args.last)
-    if not paths:
-        raise UserError("nothing to average: give checkpoints, or --run-dir with checkpoint_step*.pt files")
-    refuse_overwriting(Path(args.output), "--output", *paths)
-    average_checkpoints(paths, args.output)
+    paths = average(args.output, args.checkpoints, args.run_dir, args.last)
     log.info("averaged %d checkpoints (%s) into %s", len(paths), ", ".join(p.name for p in paths), args.output)
     return 0
 

@@ -9,6 +9,7 @@ import pytest
 
 from seq2seq.app.evaluation import EvaluateOptions, evaluate
 from seq2seq.app.model import ModelOptions, open_translator, with_decode_overrides
+from seq2seq.app.runs import average
 from seq2seq.app.streams import TranslateOptions, translate_records, translate_stream
 from seq2seq.errors import CheckpointError, ConfigError, DataError, UserError
 from seq2seq.inputs import Record
@@ -138,3 +139,17 @@ def test_evaluate_never_saves_over_an_input(tmp_path: Path) -> None:
 def test_evaluate_refuses_a_model_and_a_hypothesis_file(trained_run: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not both"):
         evaluate(EvaluateOptions(hypotheses=str(tmp_path / "h.txt")), model(trained_run))
+
+
+def test_average_refuses_before_reading_anything(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "a.pt"
+    checkpoint.write_bytes(b"not read")
+    with pytest.raises(ConfigError, match="--last must be at least 1"):
+        average(tmp_path / "avg.pt", [checkpoint], last=0)
+    with pytest.raises(UserError, match="run directory not found"):
+        average(tmp_path / "avg.pt", run_dir=str(tmp_path / "missing"))
+    with pytest.raises(UserError, match="nothing to average"):
+        average(tmp_path / "avg.pt")
+    with pytest.raises(UserError, match="also an input"):
+        average(checkpoint, [checkpoint])
+    assert checkpoint.read_bytes() == b"not read"
