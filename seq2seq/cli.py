@@ -1,8 +1,9 @@
 """The `seq2seq` command: download, train, translate, evaluate, average, serve.
 
-Each subcommand parses its arguments and calls one library function. Known
-problems (bad config, bad data, unusable checkpoint) end with one line on
-stderr: exit code 2 for configuration errors, 1 for the rest. Ctrl-C ends any
+Each subcommand turns its arguments into options and calls one function of
+the application layer (seq2seq.app) or the library. Known problems (bad
+config, bad data, unusable checkpoint) end with one line on stderr: exit code
+2 for configuration errors, 1 for the rest. Ctrl-C ends any
 subcommand with one line and exit code 130; training stopped by SIGINT/SIGTERM
 saves first, then exits 130/143 so that nothing takes it for done.
 """
