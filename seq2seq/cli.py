@@ -11,6 +11,7 @@ saves first, then exits 130/143 so that nothing takes it for done.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from collections.abc import Sequence
@@ -21,9 +22,11 @@ from seq2seq.errors import ConfigError, UserError
 from seq2seq.serve import options as serve_options
 
 if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
     from seq2seq.app.model import ModelOptions
 
-Options = TypeVar("Options")
+Options = TypeVar("Options", bound="DataclassInstance")
 
 log = logging.getLogger("seq2seq")
 
@@ -249,8 +252,8 @@ def _model_options(args: argparse.Namespace) -> ModelOptions:
 
 
 def _from_args(cls: type[Options], args: argparse.Namespace) -> Options:
-    """An app's options dataclass from the parsed arguments of the same names."""
-    return cls(**{name: getattr(args, name) for name in cls.__dataclass_fields__})  # type: ignore[attr-defined]
+    """An options dataclass (the app's, the server's) from the parsed arguments of the same names."""
+    return cls(**{field.name: getattr(args, field.name) for field in dataclasses.fields(cls)})
 
 
 def _translate(args: argparse.Namespace) -> int:
@@ -287,7 +290,7 @@ def _export(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     """The model loads once the port is bound, so that a busy port fails before a long load."""
-    options = serve_options.ServeOptions.from_args(args)
+    options = _from_args(serve_options.ServeOptions, args)
     serve_options.require_extra()
     from seq2seq.serve.engine import open_engine
     from seq2seq.serve.server import serve
