@@ -36,9 +36,9 @@ from pathlib import Path
 import torch
 
 from seq2seq import checkpoint, metrics
+from seq2seq.app.evaluation import decode, eval_set, score
 from seq2seq.config import ExperimentConfig, load_config
 from seq2seq.data import find_file, read_lines
-from seq2seq.download import tokenized_reference
 from seq2seq.run_dir import RunDirectory
 from seq2seq.translate import Translator
 
@@ -65,22 +65,18 @@ def averages(run: RunDirectory, sizes: list[int]) -> list[Path]:
     return out
 
 
-def translate(checkpoint: Path, cfg: ExperimentConfig, split: str) -> list[str]:
+def translate(checkpoint: Path, cfg: ExperimentConfig, split: str, sources: list[str]) -> list[str]:
     """Translate one split with the recipe's decode settings; the output is saved beside the checkpoint."""
     translator = Translator.from_checkpoint(checkpoint, **dataclasses.asdict(cfg.decode))
-    hyps = translator.translate(read_lines(find_file(cfg.data.dir, split, cfg.data.src_lang)))
+    hyps = decode(translator, sources)
     (checkpoint.parent / f"{split}.{checkpoint.stem}.{cfg.data.tgt_lang}").write_text(
         "".join(h + "\n" for h in hyps), encoding="utf-8"
     )
     return hyps
 
 
-def test_scores(hyps: list[str], refs: list[str], cfg: ExperimentConfig) -> dict:
+def test_scores(report: metrics.Report) -> dict:
     """The scores of `seq2seq evaluate`, the tokenized BLEU included when the dataset has its references."""
-    d = cfg.data
-    tok_path = tokenized_reference(d.dir, d.test, d.tgt_lang)
-    tok_refs = read_lines(tok_path) if tok_path.is_file() else None
-    report = metrics.report(hyps, refs, n_bootstrap=BOOTSTRAP, tokenized_references=tok_refs, lang=d.tgt_lang)
     scores = {
         **_with_interval("sacrebleu", report.bleu),
         "chrf": round(report.chrf.score, 2),
@@ -166,11 +162,12 @@ def main() -> None:
 
     sizes = args.average if args.average is not None else [cfg.train.average_last] * (cfg.train.average_last > 0)
     candidates = [run.best, *averages(run, sizes)]
-    val_refs = read_lines(find_file(d.dir, d.valid, d.tgt_lang))
-    val = {c.stem: round(metrics.bleu(translate(c, cfg, d.valid), val_refs).score, 2) for c in candidates}
+    val_src, val_refs = (read_lines(find_file(d.dir, d.valid, lang)) for lang in (d.src_lang, d.tgt_lang))
+    val = {c.stem: round(metrics.bleu(translate(c, cfg, d.valid, val_src), val_refs).score, 2) for c in candidates}
     picked = max(val, key=val.__getitem__)
-    test_hyps = translate(run.path / f"{picked}.pt", cfg, d.test)
-    test_src, test_refs = (read_lines(find_file(d.dir, d.test, lang)) for lang in (d.src_lang, d.tgt_lang))
+    test = eval_set(d)  # the test split and, when the dataset has one, its tokenized reference
+    test_hyps = translate(run.path / f"{picked}.pt", cfg, d.test, test.sources)
+    evaluation = score(test_hyps, test, BOOTSTRAP)
 
     last = checkpoint.read(run.last)
     assert last.training is not None, "seq2seq train always saves its state in checkpoint_last"
@@ -186,8 +183,8 @@ def main() -> None:
         "decode": dataclasses.asdict(cfg.decode),
         "val": val,
         "picked": picked,
-        "test": test_scores(test_hyps, test_refs, cfg),
-        "examples": examples(test_src, test_refs, test_hyps),
+        "test": test_scores(evaluation.report),
+        "examples": examples(test.sources, test.references, test_hyps),
         "this_invocation_minutes": round((time.monotonic() - start) / 60, 1),
     }
     (run.path / "results.json").write_text(json.dumps(results, indent=2), encoding="utf-8")

@@ -1,8 +1,9 @@
 """The `seq2seq` command: download, train, translate, evaluate, average, serve.
 
-Each subcommand parses its arguments and calls one library function. Known
-problems (bad config, bad data, unusable checkpoint) end with one line on
-stderr: exit code 2 for configuration errors, 1 for the rest. Ctrl-C ends any
+Each subcommand turns its arguments into options and calls one function of
+the application layer (seq2seq.app) or the library. Known problems (bad
+config, bad data, unusable checkpoint) end with one line on stderr: exit code
+2 for configuration errors, 1 for the rest. Ctrl-C ends any
 subcommand with one line and exit code 130; training stopped by SIGINT/SIGTERM
 saves first, then exits 130/143 so that nothing takes it for done.
 """
@@ -10,30 +11,23 @@ saves first, then exits 130/143 so that nothing takes it for done.
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 import logging
-import os
-import stat
 import sys
-from collections.abc import Iterable, Iterator, Sequence
-from pathlib import Path
-from typing import IO, TYPE_CHECKING, BinaryIO, TypeVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 from seq2seq import interrupt
-from seq2seq.config import MAX_THREADS, apply_overrides, load_config
-from seq2seq.data import decode_lines, read_lines
-from seq2seq.errors import ConfigError, DataError, UserError
-from seq2seq.inputs import Record
+from seq2seq.config import load_config
+from seq2seq.errors import ConfigError, UserError
 from seq2seq.serve import options as serve_options
 
 if TYPE_CHECKING:
-    from tqdm import tqdm
+    from _typeshed import DataclassInstance
 
-    from seq2seq.alignment import AttentionMap, LayerChoice
-    from seq2seq.config import DataConfig
-    from seq2seq.translate import TextTranslator, Translation
+    from seq2seq.app.model import ModelOptions
 
-T = TypeVar("T")
+Options = TypeVar("Options", bound="DataclassInstance")
 
 log = logging.getLogger("seq2seq")
 
@@ -244,409 +238,43 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    """Prepare (or check) the training data; a run with a checkpoint keeps its tokenizer."""
-    cfg = load_config(args.config, args.overrides)
-    if not 0 <= args.workers <= MAX_THREADS:
-        raise ConfigError(f"--workers must be in [0, {MAX_THREADS}], got {args.workers}")
-    from seq2seq.prepare import ensure_prepared
-    from seq2seq.run_dir import RunDirectory
-    from seq2seq.training.setup import prepared_path
+    from seq2seq.app.runs import prepare_data
 
-    run = RunDirectory(cfg.train.run_dir)
-    run.acquire()  # never rebuild the data under a `train` running in this directory
-    try:
-        resume = run.resume_point()
-        ensure_prepared(cfg.data, prepared_path(cfg), resume.tokenizer if resume else None, args.workers)
-    finally:
-        run.release()
+    prepare_data(load_config(args.config, args.overrides), args.workers)
     return 0
 
 
-def _translator(args: argparse.Namespace, token_scores: bool = True) -> TextTranslator:
-    """The model (checkpoint, ensemble or exported directory) with its stored decode settings, changed by the
-    command line's decode.* overrides. token_scores: whether each token's log-probability is needed (JSONL)."""
-    from seq2seq.checkpoint import load_checkpoint
-    from seq2seq.device import resolve_device
-    from seq2seq.ensemble import Ensemble, load_ensemble
-    from seq2seq.model import Seq2SeqModel
-    from seq2seq.translate import Translator
+def _model_options(args: argparse.Namespace) -> ModelOptions:
+    from seq2seq.app.model import ModelOptions
 
-    bad = [o for o in args.overrides if not o.startswith("decode.")]
-    if bad:
-        raise ConfigError(f"command line: {bad[0]!r}: only decode.* settings can change at translation time")
-    if not 0 <= args.threads <= MAX_THREADS:
-        raise ConfigError(f"--threads must be in [0, {MAX_THREADS}], got {args.threads}")
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    if _engine(args) == "ctranslate2":
-        return _exported_translator(args, token_scores)
-    device = resolve_device(args.device, option="--device")
-    model: Seq2SeqModel | Ensemble
-    if len(args.checkpoint) > 1:
-        model, loaded = load_ensemble(args.checkpoint, device)  # decode settings and data: the first's
-    else:
-        loaded = load_checkpoint(args.checkpoint[0], device)
-        model = loaded.model
-    config = apply_overrides(loaded.config, args.overrides)  # checked like a config file, with the model's limits
-    return Translator(model, loaded.tokenizer, config.decode, device, config.data)
+    return ModelOptions(tuple(args.checkpoint or ()), args.engine, args.device, args.threads, tuple(args.overrides))
 
 
-def _engine(args: argparse.Namespace) -> str:
-    """torch or ctranslate2, from --engine and what the -c paths are; mixtures refused."""
-    from seq2seq.exported import is_exported
-
-    exported = [c for c in args.checkpoint if is_exported(c)]
-    if exported and args.engine == "torch":
-        raise ConfigError(f"{exported[0]} is a CTranslate2 model directory: it runs with --engine ctranslate2 or auto")
-    if not exported and args.engine != "ctranslate2":
-        return "torch"
-    if len(args.checkpoint) > 1:
-        raise ConfigError("CTranslate2 runs one model; an ensemble needs checkpoint files and --engine torch")
-    return "ctranslate2"
-
-
-def _exported_translator(args: argparse.Namespace, token_scores: bool) -> TextTranslator:
-    """An exported directory in CTranslate2, or a checkpoint exported (float32) to a temporary one for this run."""
-    import tempfile
-
-    import torch
-
-    from seq2seq.exported import CTranslate2Translator, import_ctranslate2, is_exported
-
-    import_ctranslate2()  # its install hint before anything else
-    path, threads = args.checkpoint[0], args.threads or torch.get_num_threads()
-    if is_exported(path):
-        return CTranslate2Translator.from_directory(path, args.device, threads, token_scores, args.overrides)
-    from seq2seq.export import export_ctranslate2
-
-    log.info("exporting %s to CTranslate2 (float32) for this run", path)
-    with tempfile.TemporaryDirectory(prefix="seq2seq-ct2-") as tmp:  # the engine holds the model in memory
-        exported = export_ctranslate2(path, Path(tmp) / "model")
-        return CTranslate2Translator.from_directory(exported, args.device, threads, token_scores, args.overrides)
-
-
-MAX_BOOTSTRAP = 100_000  # evaluate --bootstrap: 1000 is usual; sacreBLEU keeps every resample in memory
-CHUNK_LINES = 2000  # lines read before translating: enough to sort into full batches
+def _from_args(cls: type[Options], args: argparse.Namespace) -> Options:
+    """An options dataclass (the app's, the server's) from the parsed arguments of the same names."""
+    return cls(**{field.name: getattr(args, field.name) for field in dataclasses.fields(cls)})
 
 
 def _translate(args: argparse.Namespace) -> int:
-    """Stream lines through the translator: in chunks of CHUNK_LINES (sorted into batches), or one by one.
+    from seq2seq.app.streams import TranslateOptions, translate_stream
 
-    Input is read as bytes and split on newlines only, like the corpus reader, so one input
-    line is always one output line. Every line before an unreadable one is translated and
-    written before the error.
-    """
-    layer = _check_inspect_args(args)
-    source = open(args.input, "rb") if args.input else _stdin()
-    try:
-        _refuse_output_that_is_read(args, source)
-        records = _records(args, source)
-        inspect = args.attention_dir or args.alignment
-        if inspect and _engine(args) == "ctranslate2":
-            raise ConfigError("--attention-dir and --alignment need the PyTorch engine (a checkpoint file)")
-        translator = _translator(args, token_scores=args.format == "jsonl")
-        if inspect:
-            from seq2seq.alignment import require_attention
-            from seq2seq.translate import Translator
-
-            assert isinstance(translator, Translator)
-            require_attention(translator.model, layer)
-        if hasattr(sys.stdout, "reconfigure"):  # text is UTF-8 whatever the locale says
-            sys.stdout.reconfigure(encoding="utf-8")
-        from_terminal = not args.input and source.isatty()
-        if from_terminal:
-            log.info("translating each line typed on stdin; end with Ctrl-D")
-        size = 1 if args.interactive or from_terminal else CHUNK_LINES
-        sink = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
-        bar = None if from_terminal or args.interactive else _progress_bar(args.input)
-        try:
-            done = 0
-            for chunk in _chunks(records, size):
-                _translate_chunk(args, translator, chunk, done + 1, layer, sink, bar)
-                done += len(chunk)
-        finally:
-            if bar is not None:
-                bar.close()
-            if args.output:
-                sink.close()
-    finally:
-        if args.input:
-            source.close()
+    translate_stream(_model_options(args), _from_args(TranslateOptions, args))
     return 0
-
-
-def _progress_bar(path: str | Path | None, total: int | None = None) -> tqdm | None:
-    """A bar on stderr (sentences done, sentences/s, and the ETA when the number of lines is known)
-    when stderr is a terminal; None otherwise, so that pipes and logs stay clean.
-
-    path: the input file, whose lines are counted when `total` is not given (None: stdin, not counted).
-    """
-    if not sys.stderr.isatty():
-        return None
-    from tqdm import tqdm
-
-    if total is None and path is not None:
-        from seq2seq.inputs import count_lines
-
-        try:
-            total = count_lines(path)
-        except OSError:  # counted only for the ETA
-            total = None
-    return tqdm(total=total, unit="sent", desc="translating", file=sys.stderr, dynamic_ncols=True)
-
-
-def _translate_chunk(
-    args: argparse.Namespace,
-    translator: TextTranslator,
-    chunk: list[Record],
-    first: int,
-    layer: LayerChoice,
-    sink: IO[str],
-    bar: tqdm | None = None,
-) -> None:
-    """Translate, draw and align one chunk of records (lines first..), and write its output lines."""
-    prefixes = [r.prefix for r in chunk] if any(r.prefix for r in chunk) else None
-    results = translator.translate_full(
-        [r.text for r in chunk], first_line=first, prefixes=prefixes, progress=None if bar is None else bar.update
-    )
-    maps: list[AttentionMap | None] = [None] * len(results)
-    if args.attention_dir or args.alignment:
-        from seq2seq.translate import Translator
-
-        assert isinstance(translator, Translator)  # _translate refused the other engines
-        maps = translator.attention(results, layer, args.attention_heads)
-    if args.attention_dir:
-        from seq2seq.pictures import draw, picture_path
-
-        Path(args.attention_dir).mkdir(parents=True, exist_ok=True)
-        for number, amap in enumerate(maps, start=first):
-            if amap is not None:
-                draw(amap, picture_path(Path(args.attention_dir), number))
-    for result, amap in zip(results, maps):
-        sink.write(_format(result, args.format, args.alignment, amap) + "\n")
-    sink.flush()
-
-
-def _check_inspect_args(args: argparse.Namespace) -> LayerChoice:
-    """Options that do not go together, a missing matplotlib, a bad layer: refused before anything runs."""
-    from seq2seq.alignment import parse_layer
-
-    if args.alignment and args.format != "jsonl":
-        raise ConfigError("--alignment needs --format jsonl (the alignments are fields of each JSON line)")
-    if args.prefix_file and args.input_format == "jsonl":
-        raise ConfigError('give prefixes in the JSONL input ("prefix") or with --prefix-file, not both')
-    if args.attention_dir:
-        from seq2seq.pictures import require_matplotlib
-
-        require_matplotlib()
-    return parse_layer(args.attention_layer)
-
-
-def _records(args: argparse.Namespace, source: BinaryIO) -> Iterator[Record]:
-    """The input as records: plain lines, JSONL records, or lines with their --prefix-file line."""
-    from seq2seq import inputs
-
-    name = args.input or "stdin"
-    lines = decode_lines(source, name)
-    if args.input_format == "jsonl":
-        return inputs.jsonl(lines, name)
-    if not args.prefix_file:
-        return inputs.plain(lines)
-    prefixes = read_lines(args.prefix_file)
-    if args.input and Path(args.input).is_file():  # a file can be checked before anything is translated
-        count = inputs.count_lines(args.input)
-        if count != len(prefixes):
-            raise inputs.misaligned(args.prefix_file, len(prefixes), name, str(count))
-    return inputs.with_prefixes(lines, prefixes, args.prefix_file, name)
-
-
-def _stdin() -> BinaryIO:
-    if sys.stdin is None:  # started with stdin closed (`<&-`)
-        raise UserError("no input: stdin is closed; give --input FILE")
-    return sys.stdin.buffer
-
-
-def _refuse_output_that_is_read(args: argparse.Namespace, source: BinaryIO) -> None:
-    """Opening --output empties it, so it must not be a file this command reads: refuse before opening it."""
-    if not args.output:
-        return
-    output = Path(args.output)
-    for checkpoint in args.checkpoint or []:
-        if _same_file(output, Path(checkpoint)):
-            raise UserError(f"--output {args.output} is the checkpoint; writing there would empty it first")
-    try:  # the input, whether named by --input or redirected to stdin, under any path or link
-        read = os.fstat(source.fileno())
-        reads_output = stat.S_ISREG(read.st_mode) and output.exists() and os.path.samestat(read, output.stat())
-    except (OSError, ValueError):  # a stdin without a file descriptor (a test's, a notebook's)
-        reads_output = False
-    if reads_output:
-        raise UserError(
-            f"--output {args.output} is the input file ({args.input or 'stdin'}); writing there would empty it first"
-        )
-
-
-def _refuse_overwriting(output: Path, option: str, *inputs: str | Path | None) -> None:
-    """An output must not be one of the command's own inputs: writing it would destroy what is being read."""
-    for given in inputs:
-        if given and output.exists() and _same_file(output, Path(given)):
-            raise UserError(f"{option} {output} is also an input of this command; choose another file")
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    """The same path once resolved, or the same file under another name (a hard or symbolic link)."""
-    if a.resolve() == b.resolve():
-        return True
-    try:
-        return os.path.samefile(a, b)
-    except OSError:  # one of them does not exist (yet)
-        return False
-
-
-def _chunks(lines: Iterable[T], size: int) -> Iterator[list[T]]:
-    """Lines in groups of `size`, yielded as soon as each group is complete.
-
-    When reading fails midway, the lines read before the failure are yielded first.
-    """
-    chunk: list[T] = []
-    try:
-        for line in lines:
-            chunk.append(line)
-            if len(chunk) >= size:
-                yield chunk
-                chunk = []
-    except (UserError, OSError):
-        if chunk:
-            yield chunk
-        raise
-    if chunk:
-        yield chunk
-
-
-def _format(result: Translation, fmt: str, alignment: bool = False, amap: AttentionMap | None = None) -> str:
-    """One output line: the text, or a JSON object (with `alignment`, the alignments of `amap`;
-    empty ones for an empty line)."""
-    if fmt == "text":
-        return result.text
-    line: dict[str, object] = {
-        "source": result.source,
-        **({"prefix": result.prefix} if result.prefix else {}),
-        "translation": result.text,
-        "score": result.hypotheses[0].score if result.hypotheses else None,
-        "nbest": [
-            {
-                "translation": text,
-                "score": h.score,
-                "tokens": h.tokens,
-                "pieces": pieces,
-                "token_logprobs": h.token_scores,
-            }
-            for text, pieces, h in zip(result.texts, result.pieces, result.hypotheses)
-        ],
-    }
-    if alignment:
-        line.update(_alignment_fields(amap))
-    return json.dumps(line, ensure_ascii=False)
-
-
-def _alignment_fields(amap: AttentionMap | None) -> dict[str, object]:
-    """The best hypothesis' alignments: per target subword (EOS included) the index of a source subword,
-    and the word alignment in Pharaoh 'i-j' form."""
-    from seq2seq.alignment import pharaoh, subword_alignment, word_alignment
-
-    if amap is None:
-        return {"source_pieces": [], "alignment": [], "word_alignment": ""}
-    return {
-        "source_pieces": amap.source,
-        "alignment": subword_alignment(amap),
-        "word_alignment": pharaoh(word_alignment(amap)),
-    }
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    from seq2seq import metrics
+    from seq2seq.app.evaluation import EvaluateOptions, evaluate
 
-    if not args.checkpoint and not args.hypotheses:
-        raise ConfigError("evaluate needs --checkpoint or --hypotheses")
-    if args.checkpoint and args.hypotheses:
-        raise ConfigError("evaluate takes --checkpoint or --hypotheses, not both")
-    if args.bootstrap < 1:
-        raise ConfigError(f"--bootstrap must be at least 1, got {args.bootstrap}")
-    if args.bootstrap > MAX_BOOTSTRAP:  # sacreBLEU draws every resample's indices at once
-        raise ConfigError(f"--bootstrap must be at most {MAX_BOOTSTRAP}, got {args.bootstrap}")
-    if args.save:
-        _refuse_overwriting(
-            Path(args.save), "--save", args.hypotheses, args.src, args.ref, args.tok_ref, *(args.checkpoint or [])
-        )
-    tok_ref: Path | None = Path(args.tok_ref) if args.tok_ref else None
-    if args.hypotheses:
-        if not args.ref:
-            raise ConfigError("evaluate --hypotheses needs --ref")
-        hyps, refs = read_lines(args.hypotheses), read_lines(args.ref)
-        lang = tok_ref.suffix.lstrip(".") if tok_ref else ""  # e.g. test_2016_flickr.lc.norm.tok.en
-    else:
-        translator = _translator(args, token_scores=False)
-        assert translator.data is not None  # loaded from a checkpoint
-        src, refs = _test_set(translator.data, args.src, args.ref)
-        lang = translator.data.tgt_lang
-        if tok_ref is None and args.ref is None:
-            tok_ref = _default_tok_ref(translator.data)
-        bar = _progress_bar(None, total=len(src))
-        try:
-            hyps = translator.translate(src, progress=None if bar is None else bar.update)
-        finally:
-            if bar is not None:
-                bar.close()
-    if len(hyps) != len(refs):
-        raise DataError(f"{len(hyps)} hypotheses but {len(refs)} references")
-    if args.save:
-        Path(args.save).write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
-    tok_refs = read_lines(tok_ref) if tok_ref else None
-    report = metrics.report(hyps, refs, args.bootstrap, args.lowercase, tok_refs, lang)
-    for score in report.scores():
-        print(score)
+    evaluation = evaluate(_from_args(EvaluateOptions, args), _model_options(args) if args.checkpoint else None)
+    for line in evaluation.lines():
+        print(line)
     return 0
 
 
-def _test_set(data: DataConfig, src: str | None, ref: str | None) -> tuple[list[str], list[str]]:
-    from seq2seq.data import find_file
-
-    src_path = src or find_file(data.dir, data.test, data.src_lang)
-    ref_path = ref or find_file(data.dir, data.test, data.tgt_lang)
-    return read_lines(src_path), read_lines(ref_path)
-
-
-def _default_tok_ref(data: DataConfig) -> Path | None:
-    """The test split's tokenized reference, when the dataset has one and sacremoses can use it."""
-    import importlib.util
-
-    from seq2seq.download import tokenized_reference
-
-    path = tokenized_reference(data.dir, data.test, data.tgt_lang)
-    if not path.is_file():
-        return None
-    if importlib.util.find_spec("sacremoses") is None:
-        log.info("no tokenized BLEU against %s: it needs sacremoses (pip install 'seq2seq[recipes]')", path)
-        return None
-    return path
-
-
 def _average(args: argparse.Namespace) -> int:
-    from seq2seq.checkpoint import average_checkpoints
-    from seq2seq.run_dir import RunDirectory
+    from seq2seq.app.runs import average
 
-    if args.last < 1:
-        raise ConfigError("average --last must be at least 1")
-    paths = [Path(p) for p in args.checkpoints]
-    if args.run_dir:
-        if not Path(args.run_dir).is_dir():
-            raise UserError(f"run directory not found: {args.run_dir}")
-        paths += RunDirectory(args.run_dir).latest(args.last)
-    if not paths:
-        raise UserError("nothing to average: give checkpoints, or --run-dir with checkpoint_step*.pt files")
-    _refuse_overwriting(Path(args.output), "--output", *paths)
-    average_checkpoints(paths, args.output)
+    paths = average(args.output, args.checkpoints, args.run_dir, args.last)
     log.info("averaged %d checkpoints (%s) into %s", len(paths), ", ".join(p.name for p in paths), args.output)
     return 0
 
@@ -661,9 +289,10 @@ def _export(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     """The model loads once the port is bound, so that a busy port fails before a long load."""
-    options = serve_options.ServeOptions.from_args(args)
+    options = _from_args(serve_options.ServeOptions, args)
     serve_options.require_extra()
-    from seq2seq.serve.engine import TranslatorEngine
+    from seq2seq.serve.engine import open_engine
     from seq2seq.serve.server import serve
 
-    return serve(lambda: TranslatorEngine(_translator(args)), options)
+    model = _model_options(args)
+    return serve(lambda: open_engine(model), options)

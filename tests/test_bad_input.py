@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, TINY, single_thread_env, write_corpus
 
-from seq2seq import cli
+from seq2seq.app import streams
 from seq2seq.cli import main
 from seq2seq.errors import UserError
 from seq2seq.security import MIN_TORCH, check_torch_version
@@ -224,7 +224,7 @@ def test_line_break_characters_inside_stdin_lines_keep_lines_aligned(checkpoint:
 def test_invalid_utf8_reports_its_line_after_translating_the_lines_before(
     checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(cli, "CHUNK_LINES", 4)  # lines 1-4 are one chunk, 5-6 the unfinished next one
+    monkeypatch.setattr(streams, "CHUNK_LINES", 4)  # lines 1-4 are one chunk, 5-6 the unfinished next one
     good = ["red cat", "blue dog", "sun moon", "tree car", "house bird", "fish red"]
     source, output = tmp_path / "in.txt", tmp_path / "out.txt"
     source.write_bytes(("\n".join(good) + "\n").encode() + b"caf\xe9\nlast line\n")

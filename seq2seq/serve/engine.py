@@ -11,6 +11,7 @@ import copy
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+from seq2seq.app.model import ModelOptions, open_translator
 from seq2seq.config import DecodeConfig, to_dict
 from seq2seq.errors import DataError
 from seq2seq.translate import TextTranslator, Translation
@@ -90,3 +91,8 @@ class TranslatorEngine:
             "max_positions": t.max_positions,
             "decode": to_dict(t.decode),
         }
+
+
+def open_engine(model: ModelOptions) -> TranslatorEngine:
+    """The model opened as `seq2seq translate` opens it (token scores included: a request may ask for them)."""
+    return TranslatorEngine(open_translator(model))

@@ -31,11 +31,6 @@ class ServeOptions:
         _require(0 <= self.shutdown_timeout <= 3600, "--shutdown-timeout", "must be in [0, 3600]")
         _require(0 < self.read_timeout <= 3600, "--read-timeout", "must be in (0, 3600]")
 
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> ServeOptions:
-        names = cls.__dataclass_fields__
-        return cls(**{name: getattr(args, name) for name in names})
-
 
 def _require(ok: bool, option: str, message: str) -> None:
     if not ok:

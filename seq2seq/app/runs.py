@@ -1,0 +1,55 @@
+"""Work on a run directory outside training: preparing its data, averaging its checkpoints."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+from seq2seq.app.files import refuse_overwriting
+from seq2seq.config import MAX_THREADS, ExperimentConfig
+from seq2seq.errors import ConfigError, UserError
+
+log = logging.getLogger("seq2seq")
+
+
+def prepare_data(cfg: ExperimentConfig, workers: int = 0) -> None:
+    """Prepare (or check) the training data, under the run's lock; a run with a checkpoint keeps its tokenizer.
+
+    workers: encoding processes (0: one per CPU).
+    """
+    if not 0 <= workers <= MAX_THREADS:
+        raise ConfigError(f"--workers must be in [0, {MAX_THREADS}], got {workers}")
+    from seq2seq.prepare import ensure_prepared
+    from seq2seq.run_dir import RunDirectory
+    from seq2seq.training.setup import prepared_path
+
+    run = RunDirectory(cfg.train.run_dir)
+    run.acquire()  # never rebuild the data under a `train` running in this directory
+    try:
+        resume = run.resume_point()
+        ensure_prepared(cfg.data, prepared_path(cfg), resume.tokenizer if resume else None, workers)
+    finally:
+        run.release()
+
+
+def average(
+    output: str | Path, checkpoints: Sequence[str | Path] = (), run_dir: str | None = None, last: int = 5
+) -> list[Path]:
+    """Average the weights of `checkpoints` and of the `last` step checkpoints of `run_dir` into `output`;
+    the checkpoints averaged."""
+    from seq2seq.checkpoint import average_checkpoints
+    from seq2seq.run_dir import RunDirectory
+
+    if last < 1:
+        raise ConfigError("average --last must be at least 1")
+    paths = [Path(p) for p in checkpoints]
+    if run_dir:
+        if not Path(run_dir).is_dir():
+            raise UserError(f"run directory not found: {run_dir}")
+        paths += RunDirectory(run_dir).latest(last)
+    if not paths:
+        raise UserError("nothing to average: give checkpoints, or --run-dir with checkpoint_step*.pt files")
+    refuse_overwriting(Path(output), "--output", *paths)
+    average_checkpoints(paths, output)
+    return paths
