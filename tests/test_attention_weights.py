@@ -16,7 +16,7 @@ from seq2seq.alignment import model_attention, parse_layer, require_attention, s
 from seq2seq.config import ModelConfig, RNNConfig
 from seq2seq.ensemble import Ensemble
 from seq2seq.errors import AttentionError, ConfigError
-from seq2seq.model import Seq2SeqModel, Seq2SeqRNN, build_model
+from seq2seq.model import AttentionRecord, Seq2SeqModel, Seq2SeqRNN, build_model
 from seq2seq.vocab import BOS, EOS, PAD
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -102,12 +102,12 @@ def test_recording_is_off_unless_asked_and_changes_no_logits(name: str) -> None:
     plain = model.init_cache(model.encode(src, mask), mask)
     recording = model.init_cache(model.encode(src, mask), mask)
     assert plain.attention is None
-    recording.attention = []
+    recording.attention = AttentionRecord()
     for t in range(inputs.shape[1]):
         logits = model.decode_step(inputs[:, t : t + 1], plain)
         torch.testing.assert_close(model.decode_step(inputs[:, t : t + 1], recording), logits, **CLOSE)
     assert plain.attention is None
-    assert len(recording.attention) == inputs.shape[1]
+    assert len(recording.attention.steps) == inputs.shape[1]
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -120,7 +120,7 @@ def test_weights_follow_repeated_and_dropped_rows(name: str) -> None:
     tgt = targets()
     full = model.cross_attention(src, mask, torch.cat([torch.full_like(tgt[:, :1], BOS), tgt[:, :-1]], dim=1))
     cache = model.init_cache(model.encode(src, mask), mask)
-    cache.attention = []
+    cache.attention = AttentionRecord()
     row_sentence = torch.arange(3).repeat_interleave(2)  # (6,): two rows per sentence
     cache.select(row_sentence)
     drops = {2: [0, 1, 2, 3, 5], 3: [0, 2, 3]}  # one row stops (kept as a map), then two more (copied away)
@@ -130,7 +130,7 @@ def test_weights_follow_repeated_and_dropped_rows(name: str) -> None:
             cache.select(keep)
             row_sentence = row_sentence[keep]
         model.decode_step(tgt[row_sentence, t - 1 : t] if t else torch.full((len(row_sentence), 1), BOS), cache)
-        torch.testing.assert_close(cache.attention[t], full[row_sentence, t], **CLOSE)
+        torch.testing.assert_close(cache.attention.steps[t], full[row_sentence, t], **CLOSE)
 
 
 def test_a_model_without_attention_is_refused() -> None:
