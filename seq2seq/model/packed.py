@@ -17,15 +17,22 @@ both ways.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 Linear = Callable[[Tensor], Tensor]
 """x (..., in) -> (..., out)."""
 
 ROWS_HINT = 64  # the row count oneDNN picks the weight layout for; any row count works with it
+
+
+def plain_linear(weight: Tensor, bias: Tensor | None) -> Linear:
+    """`F.linear` with this weight (out, in) and bias: for a projection that is a slice of a module's weight."""
+    return functools.partial(F.linear, weight=weight, bias=bias)
 
 
 def packed_linear(weight: Tensor, bias: Tensor | None, relu: bool = False) -> Linear:

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from seq2seq.model.packed import Linear, ParameterKey, can_pack, onednn_available, parameter_key
@@ -39,27 +38,24 @@ class StepPlan:
     """One decoding session's way of running a step, fixed for the session.
 
     A step asks it in one way only: `linear(module)` for a projection (and
-    `query(attention)` for a cross-attention's W_Q, a slice of its in_proj).
+    `query(attention)` for a cross-attention's W_Q, a slice of its in_proj,
+    cut once per session rather than at every step).
     The kernel is the attention of a step that records nothing; while an
     attention record is active (seq2seq.model.record), cross-attention spells
     the attention out instead, to keep the weights.
     """
 
-    packed: Mapping[nn.Module, Linear]  # modules whose oneDNN-packed copies run instead; empty: the modules
+    linears: Mapping[nn.Module, Linear]  # what runs instead of a module: packed copies; a cross-attention's W_Q
     cross_kv: tuple[Tensor, Tensor]  # every layer's W_K, W_V stacked, (L * 2D, D), and their biases (L * 2D,)
     kernel: str  # CPU_KERNEL or FUSED_KERNEL
 
     def linear(self, module: nn.Module) -> Linear:
         """How a step runs `module` (an nn.Linear, or a feed-forward network): its packed copy, or itself."""
-        return self.packed.get(module, module)
+        return self.linears.get(module, module)
 
     def query(self, attention: MultiHeadAttention) -> Linear:
-        """How a step projects cross-attention queries: W_Q packed, or the first third of in_proj."""
-        packed = self.packed.get(attention)
-        if packed is not None:
-            return packed
-        weight, bias = attention.query_weights()
-        return lambda x: F.linear(x, weight, bias)
+        """How a step projects cross-attention queries: W_Q (the first third of in_proj), packed or not."""
+        return self.linears[attention]
 
 
 class DecodingPlan:
@@ -90,7 +86,7 @@ class DecodingPlan:
                     pass
             if self._packed is not None:
                 return self._packed[1]
-        return StepPlan({}, self.cross_kv(), kernel)
+        return StepPlan(self.decoder.plain_queries(), self.cross_kv(), kernel)
 
     def cross_kv(self) -> tuple[Tensor, Tensor]:
         """Every decoder layer's W_K, W_V stacked, and their biases: one matmul projects the encoder

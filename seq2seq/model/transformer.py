@@ -21,7 +21,7 @@ from seq2seq.model.attention import MultiHeadAttention, Packing, attention_mask
 from seq2seq.model.cache import DecoderCache
 from seq2seq.model.dropout import Dropout
 from seq2seq.model.layers import DecoderLayer, EncoderLayer, FeedForward, LayerOptions
-from seq2seq.model.packed import Linear, packed_linear
+from seq2seq.model.packed import Linear, packed_linear, plain_linear
 from seq2seq.model.plan import DecodingPlan
 from seq2seq.model.record import AttentionRecord, recording
 from seq2seq.vocab import PAD
@@ -132,6 +132,10 @@ class Decoder(nn.Module):
     def cross_attentions(self) -> list[MultiHeadAttention]:
         """Each layer's cross-attention module, bottom first."""
         return [layer.cross_attn for layer in self.decoder_layers()]
+
+    def plain_queries(self) -> dict[nn.Module, Linear]:
+        """Each cross-attention module's W_Q as a decoding step runs it without packing: views of in_proj."""
+        return {attention: plain_linear(*attention.query_weights()) for attention in self.cross_attentions()}
 
     def packed_linears(self) -> dict[nn.Module, Linear]:
         """Copies of a decoding step's projections with weights prepacked for oneDNN (seq2seq.model.packed), by
