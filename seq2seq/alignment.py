@@ -33,8 +33,8 @@ from torch import Tensor
 
 from seq2seq.ensemble import Ensemble
 from seq2seq.errors import AttentionError, ConfigError
-from seq2seq.model import Seq2SeqModel, Seq2SeqRNN
-from seq2seq.search import IncrementalModel
+from seq2seq.model import AttentionRecord, Seq2SeqModel, Seq2SeqRNN
+from seq2seq.search import Cache, IncrementalModel, Memory
 from seq2seq.vocab import BOS
 
 LayerChoice = int | str
@@ -84,15 +84,17 @@ def check_layer(layer: LayerChoice, layers: int) -> None:
 
 
 @torch.no_grad()
-def teacher_forced_attention(model: IncrementalModel, src: Tensor, src_pad_mask: Tensor, tgt: Tensor) -> Tensor:
+def teacher_forced_attention(
+    model: IncrementalModel[Memory, Cache], src: Tensor, src_pad_mask: Tensor, tgt: Tensor
+) -> Tensor:
     """Cross-attention weights (B, T, L, H, S) of targets tgt (B, T), EOS-ended and PAD-filled, through
     the incremental API of one model (rows past a target's EOS are for padding and mean nothing)."""
     cache = model.init_cache(model.encode(src, src_pad_mask), src_pad_mask)
-    cache.attention = []  # DecoderCache and RNNCache record when this is a list
+    cache.attention = AttentionRecord()  # every cache keeps one entry per step in it
     inputs = torch.cat([torch.full_like(tgt[:, :1], BOS), tgt[:, :-1]], dim=1)  # (B, T)
     for t in range(inputs.shape[1]):
         model.decode_step(inputs[:, t : t + 1], cache)
-    return torch.stack(cache.attention, dim=1)
+    return torch.stack(cache.attention.steps, dim=1)
 
 
 def select(weights: Tensor, layer: LayerChoice, heads: str) -> tuple[Tensor, list[str], list[str]]:

@@ -3,7 +3,8 @@
 Notation: B sentences, K beam size, V vocabulary, N hypothesis rows (B, or B * K).
 
 The loops call only `encode`, `init_cache`, `decode_step` and the cache's
-`reorder`/`select`. The selection rules (`beam_step`, `pick_greedy`,
+`reorder`/`select` (`IncrementalModel` and `DecodingCache`, the protocols every
+model and cache implement). The selection rules (`beam_step`, `pick_greedy`,
 `make_sampler`) and the score adjustments (`length_penalty`, `constrain`) are
 separate pure functions.
 
@@ -50,21 +51,45 @@ import hashlib
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol, TypeVar
 
 import torch
 from torch import Tensor
 
 from seq2seq.config import DecodeConfig
+from seq2seq.model.record import AttentionRecord
 from seq2seq.vocab import BOS, EOS, PAD, UNK
 
 NEG_INF = float("-inf")
 
 
-class IncrementalModel(Protocol):
-    def encode(self, src: Tensor, src_pad_mask: Tensor) -> Any: ...
-    def init_cache(self, memory: Any, src_pad_mask: Tensor) -> Any: ...
-    def decode_step(self, tokens: Tensor, cache: Any) -> Tensor: ...
+class DecodingCache(Protocol):
+    """What a decoding session carries between steps, as search sees it.
+
+    `reorder(index)` moves hypotheses within their sentences (beam search);
+    `select(index)` keeps or repeats whole rows (a beam's expansion, finished
+    sentences leaving). `attention` is the session's attention record: None
+    (search's case) keeps nothing; a `seq2seq.model.record.AttentionRecord`
+    gets one (N, L, H, S) entry per step in `steps`.
+    """
+
+    attention: AttentionRecord | None
+
+    def reorder(self, index: Tensor) -> None: ...
+    def select(self, index: Tensor) -> None: ...
+
+
+Memory = TypeVar("Memory")
+"""What a model's encoder gives its decoder: a tensor, or an RNN's states."""
+Cache = TypeVar("Cache", bound=DecodingCache)
+
+
+class IncrementalModel(Protocol[Memory, Cache]):
+    """A model as search drives it: encode the sources once, start a session, then one step per position."""
+
+    def encode(self, src: Tensor, src_pad_mask: Tensor) -> Memory: ...
+    def init_cache(self, memory: Memory, src_pad_mask: Tensor) -> Cache: ...
+    def decode_step(self, tokens: Tensor, cache: Cache) -> Tensor: ...
 
 
 @dataclass
@@ -210,7 +235,7 @@ def sentence_uniforms(src: Tensor, src_pad_mask: Tensor, seed: int, steps: int) 
 
 @torch.inference_mode()
 def sequential_search(
-    model: IncrementalModel,
+    model: IncrementalModel[Memory, Cache],
     src: Tensor,
     src_pad_mask: Tensor,
     cfg: DecodeConfig,
@@ -351,7 +376,7 @@ class Finished:
 
 @torch.inference_mode()
 def beam_search(
-    model: IncrementalModel,
+    model: IncrementalModel[Memory, Cache],
     src: Tensor,
     src_pad_mask: Tensor,
     cfg: DecodeConfig,
@@ -387,15 +412,10 @@ def beam_search(
         searching = (finished.count < K) & torch.isfinite(scores).any(dim=1)  # (B,)
         if not searching.any():
             break
-        if searching.all():
-            if expanding:
-                cache.select(rows)  # each sentence's row becomes its K hypotheses
-            else:
-                cache.reorder(rows)
+        stopped = follow_hypotheses(cache, rows, searching, expanding, K)
+        if stopped is None:
             continue
-        keep = searching.nonzero().flatten()
-        keep_rows = (keep[:, None] * K + torch.arange(K, device=device)).flatten()
-        cache.select(rows[keep_rows])  # rows of a kept sentence share its cross K/V, so this is exact
+        keep, keep_rows = stopped
         sentence, scores, max_len = sentence[keep], scores[keep], max_len[keep_rows]
         history, step_scores = history[keep_rows], step_scores[keep_rows]
         finished.drop(keep)
@@ -403,8 +423,26 @@ def beam_search(
     return [sorted(hyps, key=lambda h: -h.score)[: cfg.nbest] for hyps in hypotheses]
 
 
+def follow_hypotheses(
+    cache: DecodingCache, rows: Tensor, searching: Tensor, expanding: bool, K: int
+) -> tuple[Tensor, Tensor] | None:
+    """Move the cache's rows to the step's kept hypotheses, rows (B * K,) of the last step's rows, leaving
+    out the sentences that stopped (searching (B,) False). Returns None when none stopped, else the
+    searching sentences' indices (B',) and their rows (B' * K,)."""
+    if searching.all():
+        if expanding:
+            cache.select(rows)  # each sentence's row becomes its K hypotheses
+        else:
+            cache.reorder(rows)
+        return None
+    keep = searching.nonzero().flatten()
+    keep_rows = (keep[:, None] * K + torch.arange(K, device=rows.device)).flatten()
+    cache.select(rows[keep_rows])  # rows of a kept sentence share its cross K/V, so this is exact
+    return keep, keep_rows
+
+
 def search(
-    model: IncrementalModel,
+    model: IncrementalModel[Memory, Cache],
     src: Tensor,
     src_pad_mask: Tensor,
     cfg: DecodeConfig,

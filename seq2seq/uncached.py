@@ -14,6 +14,7 @@ from torch import Tensor
 from seq2seq.config import DecodeConfig
 from seq2seq.model import Seq2SeqModel, Seq2SeqTransformer
 from seq2seq.model.attention import attention_mask
+from seq2seq.model.record import AttentionRecord, recording
 from seq2seq.search import Hypothesis, search
 
 
@@ -24,6 +25,7 @@ class PrefixState:
         self.memory = memory  # (N, S, D)
         self.memory_mask = attention_mask(src_pad_mask)  # (N, 1, 1, S)
         self.tokens = torch.zeros(memory.shape[0], 0, dtype=torch.long, device=memory.device)  # (N, t)
+        self.attention: AttentionRecord | None = None  # as DecoderCache's: one (N, L, H, S) entry per step
 
     def reorder(self, index: Tensor) -> None:
         self.tokens = self.tokens.index_select(0, index)
@@ -54,7 +56,11 @@ class UncachedModel:
         state.tokens = torch.cat([state.tokens, tokens], dim=1)  # (N, t)
         last = torch.zeros_like(state.tokens, dtype=torch.bool)
         last[:, -1] = True  # one selected position per row: (N, V) in row order
-        return self.model.decoder(state.tokens, state.memory, state.memory_mask, last)
+        with recording(state.attention):
+            logits = self.model.decoder(state.tokens, state.memory, state.memory_mask, last)
+        if state.attention is not None:
+            state.attention.end_step()  # the last position's weights
+        return logits
 
 
 def uncached_search(

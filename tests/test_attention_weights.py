@@ -13,10 +13,13 @@ import torch
 from torch import Tensor
 
 from seq2seq.alignment import model_attention, parse_layer, require_attention, select, teacher_forced_attention
-from seq2seq.config import ModelConfig, RNNConfig
+from seq2seq.config import DecodeConfig, ModelConfig, RNNConfig
 from seq2seq.ensemble import Ensemble
 from seq2seq.errors import AttentionError, ConfigError
-from seq2seq.model import Seq2SeqModel, Seq2SeqRNN, build_model
+from seq2seq.model import AttentionRecord, Seq2SeqModel, Seq2SeqRNN, build_model
+from seq2seq.model.record import recording
+from seq2seq.search import search
+from seq2seq.uncached import UncachedModel
 from seq2seq.vocab import BOS, EOS, PAD
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -102,12 +105,12 @@ def test_recording_is_off_unless_asked_and_changes_no_logits(name: str) -> None:
     plain = model.init_cache(model.encode(src, mask), mask)
     recording = model.init_cache(model.encode(src, mask), mask)
     assert plain.attention is None
-    recording.attention = []
+    recording.attention = AttentionRecord()
     for t in range(inputs.shape[1]):
         logits = model.decode_step(inputs[:, t : t + 1], plain)
         torch.testing.assert_close(model.decode_step(inputs[:, t : t + 1], recording), logits, **CLOSE)
     assert plain.attention is None
-    assert len(recording.attention) == inputs.shape[1]
+    assert len(recording.attention.steps) == inputs.shape[1]
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -120,7 +123,7 @@ def test_weights_follow_repeated_and_dropped_rows(name: str) -> None:
     tgt = targets()
     full = model.cross_attention(src, mask, torch.cat([torch.full_like(tgt[:, :1], BOS), tgt[:, :-1]], dim=1))
     cache = model.init_cache(model.encode(src, mask), mask)
-    cache.attention = []
+    cache.attention = AttentionRecord()
     row_sentence = torch.arange(3).repeat_interleave(2)  # (6,): two rows per sentence
     cache.select(row_sentence)
     drops = {2: [0, 1, 2, 3, 5], 3: [0, 2, 3]}  # one row stops (kept as a map), then two more (copied away)
@@ -130,7 +133,7 @@ def test_weights_follow_repeated_and_dropped_rows(name: str) -> None:
             cache.select(keep)
             row_sentence = row_sentence[keep]
         model.decode_step(tgt[row_sentence, t - 1 : t] if t else torch.full((len(row_sentence), 1), BOS), cache)
-        torch.testing.assert_close(cache.attention[t], full[row_sentence, t], **CLOSE)
+        torch.testing.assert_close(cache.attention.steps[t], full[row_sentence, t], **CLOSE)
 
 
 def test_a_model_without_attention_is_refused() -> None:
@@ -187,3 +190,36 @@ def test_an_ensembles_attention_is_the_mean_of_its_members() -> None:
     assert layers == ["layer 1"]
     with pytest.raises(AttentionError, match="different numbers of layers or heads"):
         model_attention(Ensemble(members), src, mask, tgt, "all", "mean")
+
+
+def test_an_ensemble_records_its_members_layers_side_by_side() -> None:
+    members = [tiny_model(seed=0), tiny_model(seed=1, decoder_layers=3), tiny_model(seed=2, **MODELS["rnn-dot"])]
+    src, mask = sources()
+    tgt = targets()
+    each = [teacher_forced_attention(m, src, mask, tgt) for m in members]  # (B, T, L_i, 1 or 2, S)
+    together = teacher_forced_attention(Ensemble(members[:2]), src, mask, tgt)
+    assert together.shape == (3, 6, 5, 2, 7)
+    torch.testing.assert_close(together, torch.cat(each[:2], dim=2))
+    with pytest.raises(AttentionError, match="different numbers of heads"):
+        teacher_forced_attention(Ensemble(members), src, mask, tgt)
+
+
+@pytest.mark.parametrize("name", ["pre", "relative-rmsnorm", "three decoder layers"])
+def test_uncached_decoding_records_the_same_weights(name: str) -> None:
+    model = tiny_model(**MODELS[name])
+    src, mask = sources()
+    tgt = targets()
+    uncached = teacher_forced_attention(UncachedModel(model), src, mask, tgt)
+    torch.testing.assert_close(uncached, teacher_forced_attention(model, src, mask, tgt), **CLOSE)
+
+
+@pytest.mark.parametrize("name", ["pre", "rnn-mlp"])
+def test_decoding_writes_only_into_its_own_record(name: str) -> None:
+    """A record active around search gets nothing: each step records into its cache's record or none."""
+    model = tiny_model(**MODELS[name])
+    src, mask = sources()
+    outer = AttentionRecord()
+    with recording(outer):
+        hypotheses = search(model, src, mask, DecodeConfig(beam_size=2, max_len_b=5), 31)
+        teacher_forced_attention(model, src, mask, targets())
+    assert all(hypotheses) and outer.written == [] and outer.steps == []

@@ -20,6 +20,7 @@ from torch.nn.attention import SDPBackend
 from seq2seq.config import ModelConfig, RNNConfig
 from seq2seq.model import DecoderCache, MultiHeadAttention, Seq2SeqModel, build_model, kernel_scope, training_kernel
 from seq2seq.model.packed import onednn_available
+from seq2seq.model.plan import CPU_KERNEL
 from seq2seq.model.rnn import Encoded
 from seq2seq.model.transformer import DecodingPlan, Seq2SeqTransformer, sinusoidal_table
 from seq2seq.vocab import BOS, EOS, PAD
@@ -321,6 +322,23 @@ def test_packed_and_plain_decoder_linears_give_the_same_logits(name: str) -> Non
     plain = decode_incrementally(model, src, mask, tgt)
     assert not model.plan.holds_packed
     torch.testing.assert_close(packed, plain, **CLOSE)
+
+
+@torch.no_grad()
+def test_each_session_gets_the_models_plan_and_data_of_its_own() -> None:
+    """CPU float32 sessions share the model's packed plan (packed once, for every batch); their keys and
+    values are their own, and a step changes no plan."""
+    model = tiny_model(**variant("post")).eval()
+    assert isinstance(model, Seq2SeqTransformer)
+    src, mask = source_batch()
+    first = model.init_cache(model.encode(src, mask), mask)
+    second = model.init_cache(model.encode(src[:2], mask[:2]), mask[:2])
+    assert (first.plan is second.plan) == onednn_available() and first.plan.kernel == CPU_KERNEL
+    assert (first.plan.linear(model.decoder.output) is not model.decoder.output) == onednn_available()
+    plan = second.plan
+    model.decode_step(target_batch()[:2, :1], second)
+    assert second.plan is plan and first.self_kv is None and second.self_kv is not None
+    assert first.cross.shape[2] == 3 and second.cross.shape[2] == 2
 
 
 @torch.no_grad()

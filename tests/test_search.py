@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from seq2seq.config import DecodeConfig
+from seq2seq.model import AttentionRecord
 from seq2seq.search import (
     NEG_INF,
     beam_search,
@@ -47,6 +48,7 @@ class FakeCache:
         self.sentences = sentences
         self.prefixes: list[tuple[int, ...]] = [() for _ in sentences]
         self.calls: list[tuple[str, int]] = []
+        self.attention: AttentionRecord | None = None  # search never records
 
     def reorder(self, index: Tensor) -> None:
         rows = index.tolist()

@@ -8,7 +8,8 @@ from seq2seq.model.transformer import Seq2SeqTransformer, build_transformer
 
 Seq2SeqModel = Seq2SeqTransformer | Seq2SeqRNN
 """Either offers `forward(src, src_pad_mask, tgt_in, select)` for training, `encode`, `init_cache` and
-`decode_step` for search (with a cache that can `reorder` and `select`), and `max_positions`."""
+`decode_step` for search (`seq2seq.search.IncrementalModel`, with a cache that can `reorder` and `select`
+and carries an attention record), and `max_positions`."""
 
 
 def build_model(cfg: ModelConfig, src_vocab_size: int, tgt_vocab_size: int) -> Seq2SeqModel:

@@ -15,8 +15,10 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seq2seq.model.attention import LayerCache, MultiHeadAttention, Packing
+from seq2seq.model.attention import MultiHeadAttention, Packing
+from seq2seq.model.cache import LayerCache
 from seq2seq.model.dropout import Dropout, add_dropout
+from seq2seq.model.plan import StepPlan
 
 
 @dataclass(frozen=True)
@@ -114,29 +116,16 @@ class DecoderLayer(nn.Module):
         self.cross_block = Residual(d_model, dropout, norm_first, options.norm(d_model))
         self.ffn_block = Residual(d_model, dropout, norm_first, options.norm(d_model))
 
-    def forward(self, x: Tensor, memory: Tensor, memory_mask: Tensor, weights: list[Tensor] | None = None) -> Tensor:
-        """Teacher-forced pass. x: (B, T, D); memory: (B, S, D); memory_mask: (B, 1, 1, S).
-
-        With a `weights` list, the cross-attention weights (B, H, T, S) are appended to it.
-        """
+    def forward(self, x: Tensor, memory: Tensor, memory_mask: Tensor) -> Tensor:
+        """Teacher-forced pass. x: (B, T, D); memory: (B, S, D); memory_mask: (B, 1, 1, S)."""
         x = self.self_block(x, lambda h: self.self_attn.self_attention(h, causal=True))
         k, v = self.cross_attn.project_memory(memory)
-        x = self.cross_block(x, lambda h: self.cross(h, k, v, memory_mask, weights))
+        x = self.cross_block(x, lambda h: self.cross_attn.cross_attention(h, k, v, memory_mask))
         return self.ffn_block(x, self.ffn)
 
-    def step(self, x: Tensor, cache: LayerCache, memory_mask: Tensor, weights: list[Tensor] | None = None) -> Tensor:
-        """One incremental position. x: (N, 1, D); appends this step's keys/values to `cache`
-        (and, with a `weights` list, the cross-attention weights (N, H, 1, S) to it)."""
-        x = self.self_block(x, lambda h: self.self_attn.cached_self_attention(h, cache))
-        x = self.cross_block(x, lambda h: cache.cross_attention(self.cross_attn, h, memory_mask, weights))
-        return self.ffn_block(x, cache.linears.ffn)
-
-    def cross(self, h: Tensor, k: Tensor, v: Tensor, mask: Tensor, weights: list[Tensor] | None) -> Tensor:
-        """Cross-attention of h (B, T, D) over the encoder's keys/values: the fused kernel unless
-        the weights are asked for."""
-        q = self.cross_attn.project_query(h)
-        if weights is None:
-            return self.cross_attn.attend(q, k, v, mask)
-        out, w = self.cross_attn.attend_with_weights(q, k, v, mask)
-        weights.append(w)
-        return out
+    def step(self, x: Tensor, cache: LayerCache, plan: StepPlan) -> Tensor:
+        """One incremental position x (N, 1, D) through this layer's own modules, each run as the session's
+        `plan` says (seq2seq.model.plan); appends this step's keys/values to `cache`."""
+        x = self.self_block(x, lambda h: self.self_attn.step_self_attention(h, cache, plan))
+        x = self.cross_block(x, lambda h: self.cross_attn.step_cross_attention(h, cache, plan))
+        return self.ffn_block(x, plan.linear(self.ffn))

@@ -7,18 +7,18 @@ weight in its own blocked layout, rearranged once, and also applies ReLU in
 the same call. On the 3+3-layer d256 model this makes greedy decoding about
 a quarter faster (`scripts/bench_decode.py`).
 
-The packed weights are copies, owned by the model's decoding plan
-(`seq2seq.model.transformer.DecodingPlan`) and kept between batches, not by
-any table in this module. `onednn_available` is the one check for the private
-oneDNN ops used here; without them (or where oneDNN refuses a model) the step
-uses the modules themselves, and the tests decode both ways.
+The packed weights are copies, kept between batches by the model's decoding
+plan (`seq2seq.model.plan.DecodingPlan`) and handed to each decoding session
+in its `StepPlan`, not by any table in this module. `onednn_available` is the
+one check for the private oneDNN ops used here; without them (or where oneDNN
+refuses a model) the step uses the modules themselves, and the tests decode
+both ways.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -30,24 +30,8 @@ Linear = Callable[[Tensor], Tensor]
 ROWS_HINT = 64  # the row count oneDNN picks the weight layout for; any row count works with it
 
 
-@dataclass(frozen=True)
-class StepLinears:
-    """One decoder layer's projections in a decoding step."""
-
-    self_in: Linear  # x -> [Q; K; V] of self-attention, (..., 3D)
-    self_out: Linear  # W_O of self-attention
-    cross_query: Linear  # x -> Q of cross-attention
-    cross_out: Linear  # W_O of cross-attention
-    ffn: Linear  # the feed-forward network, fc2(activation(fc1(x)))
-
-
-@dataclass(frozen=True)
-class DecoderLinears:
-    layers: list[StepLinears]
-    output: Linear  # x -> logits (..., V)
-
-
 def plain_linear(weight: Tensor, bias: Tensor | None) -> Linear:
+    """`F.linear` with this weight (out, in) and bias: for a projection that is a slice of a module's weight."""
     return functools.partial(F.linear, weight=weight, bias=bias)
 
 
@@ -89,5 +73,5 @@ ParameterKey = tuple[tuple[int, int], ...]
 
 def parameter_key(module: nn.Module) -> ParameterKey:
     """Where `module`'s parameters live and their versions: it changes when one is replaced or changed in place
-    by autograd-visible ops (a fused optimizer's updates are not, see `DecodingPlan.invalidate`)."""
+    by autograd-visible ops (a fused optimizer's updates are not, see `seq2seq.model.plan.DecodingPlan.invalidate`)."""
     return tuple((p.data_ptr(), p._version) for p in module.parameters())

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from seq2seq.config import ModelConfig
+from seq2seq.model.record import AttentionRecord, active_record, recording
 from seq2seq.model.transformer import Embedding, output_layer, token_embeddings
 
 State = tuple[Tensor, ...]  # (h,) for a GRU, (h, c) for an LSTM; each (L, B, H)
@@ -116,12 +117,16 @@ class GlobalAttention(nn.Module):
         return memory if self.key_proj is None else self.key_proj(memory)  # (B, S, H)
 
     def forward(self, query: Tensor, keys: Tensor, memory: Tensor, pad_mask: Tensor) -> tuple[Tensor, Tensor]:
-        """The context vector (B, H) and the alignment weights (B, S)."""
+        """The context vector (B, H) and the alignment weights (B, S), which also go into the active
+        attention record, when there is one (seq2seq.model.record)."""
         if self.query_proj is not None and self.v is not None:
             scores = self.v(torch.tanh(keys + self.query_proj(query)[:, None, :])).squeeze(-1)  # (B, S)
         else:
             scores = torch.bmm(keys, query[:, :, None]).squeeze(-1)  # (B, S)
         weights = scores.masked_fill(pad_mask, float("-inf")).softmax(dim=-1)
+        record = active_record()
+        if record is not None:
+            record.add(weights[:, None, None, :])  # (B, 1, 1, S): one head, one target position
         return torch.bmm(weights[:, None, :], memory).squeeze(1), weights
 
 
@@ -135,9 +140,9 @@ class RNNCache:
         self.memory = memory  # (N, S, H)
         self.keys = keys  # (N, S, H), or None without attention
         self.pad_mask = pad_mask  # (N, S) True at padding
-        # None: nothing recorded. A list: each step appends its alignment weights as (N, 1, 1, S)
-        # (one layer, one head, like the Transformer's (N, L, H, S)), rows as they are at that step.
-        self.attention: list[Tensor] | None = None
+        # None: nothing recorded. A record: each step keeps its alignment weights (N, 1, 1, S) in
+        # `attention.steps` (one layer, one head, like the Transformer's (N, L, H, S)), rows as they are then.
+        self.attention: AttentionRecord | None = None
 
     @property
     def batch_size(self) -> int:
@@ -192,12 +197,17 @@ class RNNDecoder(nn.Module):
         return self.output(a)  # (B, T, V) or (N, V)
 
     def step(self, tokens: Tensor, cache: RNNCache) -> Tensor:
+        """Logits (B, V) for the next position; the alignment weights go into the cache's attention record
+        when it has one."""
         x = self.embedding(tokens)[:, 0]  # (B, D)
         if self.attention is None:
             out, cache.state = run_rnn(self.rnn, x[:, None], cache.state)
             a = torch.tanh(self.readout(out[:, 0]))
         else:
-            a = self.attend_step(x, cache)
+            with recording(cache.attention):
+                a = self.attend_step(x, cache)
+            if cache.attention is not None:
+                cache.attention.end_step()
         return self.output(self.dropout(a))  # (B, V)
 
     def attend_step(self, x: Tensor, cache: RNNCache) -> Tensor:
@@ -205,9 +215,7 @@ class RNNDecoder(nn.Module):
         assert self.attention is not None and cache.feed is not None and cache.keys is not None
         out, cache.state = run_rnn(self.rnn, torch.cat([x, cache.feed], dim=-1)[:, None], cache.state)
         d = out[:, 0]  # (B, H) the top layer's state
-        context, weights = self.attention(d, cache.keys, cache.memory, cache.pad_mask)
-        if cache.attention is not None:
-            cache.attention.append(weights[:, None, None, :])
+        context, _ = self.attention(d, cache.keys, cache.memory, cache.pad_mask)
         cache.feed = torch.tanh(self.readout(torch.cat([context, d], dim=-1)))
         return cache.feed
 
@@ -231,10 +239,10 @@ class Seq2SeqRNN(nn.Module):
         (one layer and one head, the Transformer's (B, T, L, H, S)); the model must have attention."""
         if self.decoder.attention is None:
             raise ValueError("this RNN has no attention (model.rnn.attention: none)")
-        cache = self.init_cache(self.encode(src, src_pad_mask), src_pad_mask)
-        cache.attention = []
-        self.decoder(tgt_in, cache)
-        return torch.stack(cache.attention, dim=1)
+        record = AttentionRecord()
+        with recording(record):
+            self.decoder(tgt_in, self.init_cache(self.encode(src, src_pad_mask), src_pad_mask))
+        return torch.stack(record.take(), dim=1)  # (B, T, 1, 1, S)
 
     def encode(self, src: Tensor, src_pad_mask: Tensor) -> Encoded:
         return self.encoder(src, src_pad_mask)

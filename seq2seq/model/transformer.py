@@ -3,7 +3,8 @@
 Notation: B batch, S source length, T target length, D d_model, V vocabulary.
 
 Search code uses only `encode`, `init_cache`, `decode_step` and the cache's
-`reorder`/`select`; training uses `forward`. Both run the same layers.
+`reorder`/`select`; training uses `forward`. Both run the same layers; a
+decoding step runs them as its session's plan says (seq2seq.model.plan).
 """
 
 from __future__ import annotations
@@ -16,20 +17,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from seq2seq.config import ModelConfig
-from seq2seq.model.attention import DecoderCache, Packing, attention_mask
+from seq2seq.model.attention import MultiHeadAttention, Packing, attention_mask
+from seq2seq.model.cache import DecoderCache
 from seq2seq.model.dropout import Dropout
 from seq2seq.model.layers import DecoderLayer, EncoderLayer, FeedForward, LayerOptions
-from seq2seq.model.packed import (
-    DecoderLinears,
-    Linear,
-    ParameterKey,
-    StepLinears,
-    can_pack,
-    onednn_available,
-    packed_linear,
-    parameter_key,
-    plain_linear,
-)
+from seq2seq.model.packed import Linear, packed_linear, plain_linear
+from seq2seq.model.plan import DecodingPlan
+from seq2seq.model.record import AttentionRecord, recording
 from seq2seq.vocab import PAD
 
 
@@ -109,52 +103,43 @@ class Decoder(nn.Module):
         self.final_norm = final_norm
         self.output = output  # (V, D) weight, tied to the embedding unless configured otherwise
 
-    def forward(
-        self,
-        tgt_in: Tensor,
-        memory: Tensor,
-        memory_mask: Tensor,
-        select: Tensor | None = None,
-        weights: list[Tensor] | None = None,
-    ) -> Tensor:
-        """Logits; with a `weights` list, each layer's cross-attention weights (B, H, T, S) are appended to it."""
+    def forward(self, tgt_in: Tensor, memory: Tensor, memory_mask: Tensor, select: Tensor | None = None) -> Tensor:
+        """Teacher-forced logits (B, T, V), or (N, V) at the `select`ed positions."""
         x = self.embedding(tgt_in)  # (B, T, D)
         for layer in self.layers:
-            x = layer(x, memory, memory_mask, weights)
+            x = layer(x, memory, memory_mask)
         x = self.final_norm(x)
         if select is not None:
             x = x[select]  # (N, D): project only the positions that are scored
         return self.output(x)  # (B, T, V) or (N, V)
 
     def step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
+        """Logits (N, V) for the next position; each layer runs as the session's plan (`cache.plan`) says,
+        and its cross-attention weights go into the cache's attention record when it has one."""
+        plan = cache.plan
         x = self.embedding(cache.stored(tokens), start=cache.step)  # (P, 1, D)
-        weights: list[Tensor] | None = None if cache.attention is None else []
-        for layer, layer_cache in zip(self.layers, cache.layers):
-            x = cast(DecoderLayer, layer).step(x, layer_cache, cache.cross_mask, weights)
-        if cache.attention is not None and weights is not None:
-            cache.attention.append(cache.searched(torch.stack(weights, dim=1)[:, :, :, 0]))  # (N, L, H, S)
+        with recording(cache.attention):
+            for layer, layer_cache in zip(self.decoder_layers(), cache.layers):
+                x = layer.step(x, layer_cache, plan)
+        if cache.attention is not None:
+            cache.attention.end_step(cache.searched)  # (N, L, H, S)
         cache.step += 1
-        return cache.output(cache.searched(self.final_norm(x)[:, 0]))  # (B, V)
+        return plan.linear(self.output)(cache.searched(self.final_norm(x)[:, 0]))  # (N, V)
 
-    def plain_linears(self) -> DecoderLinears:
-        """The projections of a decoding step as the modules themselves."""
-        layers = [cast(DecoderLayer, layer) for layer in self.layers]
-        return DecoderLinears(
-            [
-                StepLinears(
-                    layer.self_attn.in_proj,
-                    layer.self_attn.out_proj,
-                    plain_linear(*layer.cross_attn.query_weights()),
-                    layer.cross_attn.out_proj,
-                    layer.ffn,
-                )
-                for layer in layers
-            ],
-            self.output,
-        )
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return [cast(DecoderLayer, layer) for layer in self.layers]
 
-    def packed_linears(self) -> DecoderLinears:
-        """The projections of a decoding step with weights prepacked for oneDNN (seq2seq.model.packed)."""
+    def cross_attentions(self) -> list[MultiHeadAttention]:
+        """Each layer's cross-attention module, bottom first."""
+        return [layer.cross_attn for layer in self.decoder_layers()]
+
+    def plain_queries(self) -> dict[nn.Module, Linear]:
+        """Each cross-attention module's W_Q as a decoding step runs it without packing: views of in_proj."""
+        return {attention: plain_linear(*attention.query_weights()) for attention in self.cross_attentions()}
+
+    def packed_linears(self) -> dict[nn.Module, Linear]:
+        """Copies of a decoding step's projections with weights prepacked for oneDNN (seq2seq.model.packed), by
+        the module each replaces (a cross-attention module: its W_Q)."""
 
         def pack(linear: nn.Linear, relu: bool = False) -> Linear:
             return packed_linear(linear.weight, linear.bias, relu)
@@ -166,63 +151,13 @@ class Decoder(nn.Module):
                 return lambda x: fc2(fc1(x))
             return lambda x: fc2(module.activation(fc1(x)))
 
-        layers = [cast(DecoderLayer, layer) for layer in self.layers]
-        return DecoderLinears(
-            [
-                StepLinears(
-                    pack(layer.self_attn.in_proj),
-                    pack(layer.self_attn.out_proj),
-                    packed_linear(*layer.cross_attn.query_weights()),
-                    pack(layer.cross_attn.out_proj),
-                    ffn(layer.ffn),
-                )
-                for layer in layers
-            ],
-            pack(self.output),
-        )
-
-
-class DecodingPlan:
-    """Which projections a decoding step runs; owned by the model that decodes with it (`Seq2SeqTransformer.plan`).
-
-    With `pack`, CPU float32 eval decoding without autograd runs the decoder's
-    linears with weights prepacked by oneDNN (seq2seq.model.packed), packed once
-    and reused while the parameters stay where and as they were; everything
-    else runs the modules themselves. `pack=False` always runs the modules: for
-    torch.compile, and to test that both give the same translations.
-    """
-
-    def __init__(self, decoder: Decoder, pack: bool = True) -> None:
-        self.decoder = decoder
-        self.pack = pack and onednn_available()
-        self._packed: tuple[ParameterKey, DecoderLinears] | None = None
-
-    def linears(self) -> DecoderLinears:
-        """The projections for the batch whose decoding starts now."""
-        if self.pack and can_pack(self.decoder):
-            key = parameter_key(self.decoder)
-            if self._packed is None or self._packed[0] != key:
-                self._packed = None
-                try:
-                    self._packed = (key, self.decoder.packed_linears())
-                except RuntimeError:  # oneDNN refused: the modules will do
-                    pass
-            if self._packed is not None:
-                return self._packed[1]
-        return self.decoder.plain_linears()
-
-    @property
-    def holds_packed(self) -> bool:
-        """Whether packed copies of the weights are kept now (the last batch on CPU float32 ran with them)."""
-        return self._packed is not None
-
-    def invalidate(self) -> None:
-        """Drop the packed copies: the weights may change from now on, and fused optimizers change them
-        without bumping their versions."""
-        self._packed = None
-
-    def __getstate__(self) -> dict[str, object]:
-        return {**self.__dict__, "_packed": None}  # copies and pickles pack again when they decode
+        packed: dict[nn.Module, Linear] = {self.output: pack(self.output)}
+        for layer in self.decoder_layers():
+            for linear in (layer.self_attn.in_proj, layer.self_attn.out_proj, layer.cross_attn.out_proj):
+                packed[linear] = pack(linear)
+            packed[layer.cross_attn] = packed_linear(*layer.cross_attn.query_weights())
+            packed[layer.ffn] = ffn(layer.ffn)
+        return packed
 
 
 class Seq2SeqTransformer(nn.Module):
@@ -254,9 +189,10 @@ class Seq2SeqTransformer(nn.Module):
         Row t is the attention while predicting target token t, as the incremental
         API records it step by step (`DecoderCache.attention`).
         """
-        weights: list[Tensor] = []
-        self.decoder(tgt_in, self.encoder(src, src_pad_mask), attention_mask(src_pad_mask), None, weights)
-        return torch.stack(weights, dim=1).permute(0, 3, 1, 2, 4)  # (B, L, H, T, S) -> (B, T, L, H, S)
+        record = AttentionRecord()
+        with recording(record):
+            self.decoder(tgt_in, self.encoder(src, src_pad_mask), attention_mask(src_pad_mask))
+        return torch.stack(record.take(), dim=1).permute(0, 3, 1, 2, 4)  # (B, L, H, T, S) -> (B, T, L, H, S)
 
     # The incremental API used by search.
 
@@ -265,20 +201,17 @@ class Seq2SeqTransformer(nn.Module):
         return self.encoder(src, src_pad_mask, skip_padding=True)
 
     def init_cache(self, memory: Tensor, src_pad_mask: Tensor) -> DecoderCache:
-        """Project the encoder output (B, S, D) to every layer's cross-attention keys/values, once.
-
-        One matmul for all layers (their W_K, W_V stacked) instead of one per layer.
-        """
-        attention = [cast(DecoderLayer, layer).cross_attn for layer in self.decoder.layers]
-        weights, biases = zip(*(a.memory_weights() for a in attention))
+        """Start a decoding session: its plan (`self.plan`), and the encoder output (B, S, D) projected to
+        every layer's cross-attention keys/values, once, in one matmul (the plan's stacked W_K, W_V)."""
+        plan = self.plan.session(memory)
         packing = Packing.of(src_pad_mask)  # project the real positions only
         real = memory if packing is None else packing.pack(memory)
-        kv = F.linear(real, torch.cat(weights), torch.cat(biases))  # (B, S, L * 2D) or (n, L * 2D)
+        kv = F.linear(real, *plan.cross_kv)  # (B, S, L * 2D) or (n, L * 2D)
         kv = kv if packing is None else packing.unpack(kv)
         B, S, _ = memory.shape
-        H = attention[0].n_heads
-        cross = kv.view(B, S, len(attention), 2, H, -1).permute(2, 3, 0, 4, 1, 5).contiguous()  # (L, 2, B, H, S, Dh)
-        return DecoderCache(cross, attention_mask(src_pad_mask), self.plan.linears())
+        L, H = len(self.decoder.layers), self.decoder.cross_attentions()[0].n_heads
+        cross = kv.view(B, S, L, 2, H, -1).permute(2, 3, 0, 4, 1, 5).contiguous()  # (L, 2, B, H, S, Dh)
+        return DecoderCache(cross, attention_mask(src_pad_mask), plan)
 
     def decode_step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
         """Logits (B, V) for the next position, given the last tokens (B, 1); advances `cache`."""
