@@ -184,19 +184,21 @@ def export(model: Path, directory: Path, systems: Sequence[str]) -> dict[str, Pa
 def random_checkpoint(checkpoint: Path, shape: str, directory: Path) -> Path:
     """A checkpoint with the checkpoint's tokenizer and a random-weight (seed 0) model of the peer shape."""
     from seq2seq.checkpoint import Checkpoint, read, save
+    from seq2seq.config import TransformerConfig
     from seq2seq.model import build_model
 
     if shape not in SHAPES:
         raise SystemExit(f"bench_decode: unknown shape {shape!r}; choose from checkpoint, {', '.join(SHAPES)}")
     stored = read(checkpoint)
+    sizes = dict(SHAPES[shape])
     model_cfg = dataclasses.replace(
         stored.config.model,
-        **SHAPES[shape],
+        d_model=sizes.pop("d_model"),
         arch="transformer",
-        norm="post",
-        activation="relu",
-        positions="sinusoidal",
-        norm_type="layernorm",
+        transformer=TransformerConfig(
+            **sizes, norm="post", activation="relu", positions="sinusoidal", norm_type="layernorm"
+        ),
+        rnn=None,
         share_all_embeddings=stored.tokenizer.shared,
         share_decoder_embeddings=True,
     )

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from seq2seq.config import DecodeConfig, ExperimentConfig, ModelConfig, TrainConfig
+from seq2seq.config import DecodeConfig, ExperimentConfig, ModelConfig, TrainConfig, TransformerConfig
 from seq2seq.data import Batch
 from seq2seq.model import Seq2SeqTransformer, build_model
 from seq2seq.search import search
@@ -35,18 +35,20 @@ def model_config(shape: dict[str, Any]) -> ModelConfig:
     """The suite's shape (bench-peers' common.CONFIGS entry) as this project's model settings."""
     return ModelConfig(
         d_model=shape["d_model"],
-        n_heads=shape["heads"],
-        d_ff=shape["ffn"],
-        encoder_layers=shape["enc_layers"],
-        decoder_layers=shape["dec_layers"],
         dropout=shape["dropout"],
-        attention_dropout=0.0,
-        activation_dropout=0.0,
-        activation="relu",
-        norm="post",
-        positions="sinusoidal",
         share_decoder_embeddings=True,
         share_all_embeddings=True,
+        transformer=TransformerConfig(
+            n_heads=shape["heads"],
+            d_ff=shape["ffn"],
+            encoder_layers=shape["enc_layers"],
+            decoder_layers=shape["dec_layers"],
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+            activation="relu",
+            norm="post",
+            positions="sinusoidal",
+        ),
     )
 
 
@@ -56,6 +58,8 @@ def build_train_step(
     """(step(batch) -> loss per target token, info): one `seq2seq train` update per call."""
     train = TrainConfig(device="cpu", precision=precision, label_smoothing=shape["label_smoothing"], clip_norm=1.0)
     cfg = ExperimentConfig(model=model_config(shape), train=train)
+    model_settings = cfg.model.transformer
+    assert model_settings is not None  # model_config describes a Transformer
     device = torch.device("cpu")
     torch.manual_seed(train.seed)
     model = build_model(cfg.model, shape["vocab"], shape["vocab"]).to(device).train()
@@ -77,7 +81,7 @@ def build_train_step(
         "optimizer": type(optimizer).__name__,
         "fused": optimizer.defaults.get("fused"),
         "clip_norm": update.clip_norm,
-        "norm": cfg.model.norm,
+        "norm": model_settings.norm,
         "total_params": sum(p.numel() for p in model.parameters()),
     }
     return step, info

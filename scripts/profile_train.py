@@ -35,7 +35,7 @@ from torch.profiler import ProfilerActivity, profile
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from seq2seq.config import ExperimentConfig, ModelConfig, TrainConfig  # noqa: E402
+from seq2seq.config import ExperimentConfig, ModelConfig, TrainConfig, TransformerConfig  # noqa: E402
 from seq2seq.data import Batch  # noqa: E402
 from seq2seq.device import resolve_precision  # noqa: E402
 from seq2seq.model import build_model  # noqa: E402
@@ -44,8 +44,10 @@ from seq2seq.training.update import UpdateStep  # noqa: E402
 from seq2seq.vocab import BOS, EOS, PAD  # noqa: E402
 
 MODELS = {
-    "quickstart": ModelConfig(d_model=256, n_heads=4, d_ff=1024, encoder_layers=3, decoder_layers=3),
-    "big": ModelConfig(d_model=512, n_heads=8, d_ff=1024, encoder_layers=6, decoder_layers=6),
+    "quickstart": ModelConfig(d_model=256, transformer=TransformerConfig(n_heads=4, d_ff=1024, encoder_layers=3)),
+    "big": ModelConfig(
+        d_model=512, transformer=TransformerConfig(n_heads=8, d_ff=1024, encoder_layers=6, decoder_layers=6)
+    ),
 }
 # operator-name fragments -> bucket, first match wins (names as torch.profiler reports them)
 BUCKETS = [

@@ -277,7 +277,8 @@ def _tokenizer(raw: Any, source: str) -> Tokenizer:
 def check_shapes(config: ExperimentConfig, tokenizer: Tokenizer, weights: Mapping[str, torch.Tensor]) -> None:
     """Compare the stored tensors with the model the config describes, built on the meta device (no memory)."""
     m = config.model
-    layers = 2 * m.rnn.layers if m.arch == "rnn" else m.encoder_layers + m.decoder_layers
+    layers = 2 * m.rnn.layers if m.rnn is not None else 0
+    layers += m.transformer.encoder_layers + m.transformer.decoder_layers if m.transformer is not None else 0
     if layers > len(weights):  # every layer has weights of its own: refuse before building them all
         raise CheckpointError(
             f"weights do not fit the stored config: {len(weights)} tensors cannot hold its {layers} layers"

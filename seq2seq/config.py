@@ -18,7 +18,8 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from types import UnionType
+from typing import Any, Literal, TypeVar, Union
 
 import yaml
 
@@ -28,10 +29,10 @@ INT_LIMIT = 2**63  # every int setting reaches torch or C code as a 64-bit integ
 MAX_THREADS = 1024  # torch.set_num_threads takes a C int; more threads than this is a typo
 # Sizes far beyond any real model: larger values are typos or hostile, and would fail in an allocation.
 MAX_WIDTH = 2**16  # model.d_model, model.rnn.hidden_size
-MAX_FF = 2**18  # model.d_ff
-MAX_HEADS = 1024  # model.n_heads
-MAX_LAYERS = 256  # model.encoder_layers, model.decoder_layers, model.rnn.layers
-MAX_POSITIONS = 2**16  # model.max_positions, model.max_relative_distance
+MAX_FF = 2**18  # model.transformer.d_ff
+MAX_HEADS = 1024  # model.transformer.n_heads
+MAX_LAYERS = 256  # model.transformer.encoder_layers, model.transformer.decoder_layers, model.rnn.layers
+MAX_POSITIONS = 2**16  # model.max_positions, model.transformer.max_relative_distance
 MAX_BEAM = 1024  # decode.beam_size, data.sampling_nbest
 MAX_LENGTH_PENALTY = 5.0  # |decode.length_penalty|: ((5 + 65536) / 6) ** 5 still fits a float32
 TEMPERATURES = (1e-6, 1e6)  # decode.temperature: far outside, float32 log-probs / temperature are all -inf or NaN
@@ -98,12 +99,38 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
-class RNNConfig:
-    """The recurrent encoder-decoder (model.arch: rnn); see seq2seq/model/rnn.py.
+class TransformerConfig:
+    """The Transformer's own settings (model.arch: transformer); see seq2seq/model/transformer.py."""
 
-    Embeddings are model.d_model wide and model.dropout applies to them, between
-    layers and before the output; the other model.* keys are the Transformer's.
-    """
+    n_heads: int = 4
+    d_ff: int = 1024
+    encoder_layers: int = 3
+    decoder_layers: int = 3
+    attention_dropout: float = 0.0
+    activation_dropout: float = 0.0  # inside the feed-forward block (4x wider, so 4x the RNG cost)
+    activation: Literal["relu", "gelu"] = "relu"
+    norm: Literal["post", "pre"] = "pre"
+    norm_type: Literal["layernorm", "rmsnorm"] = "layernorm"
+    positions: Literal["sinusoidal", "learned", "relative", "rope"] = "sinusoidal"
+    max_relative_distance: int = 16  # positions: relative clips distances to [-k, k] (Shaw et al., 2018)
+
+    def __post_init__(self) -> None:
+        _require(self.n_heads > 0, "model.transformer.n_heads", "must be positive")
+        _require_at_most(self.n_heads, MAX_HEADS, "model.transformer.n_heads")
+        _require(self.d_ff > 0, "model.transformer.d_ff", "must be positive")
+        _require_at_most(self.d_ff, MAX_FF, "model.transformer.d_ff")
+        for key in ("encoder_layers", "decoder_layers"):
+            _require(getattr(self, key) >= 1, f"model.transformer.{key}", "must be at least 1")
+            _require_at_most(getattr(self, key), MAX_LAYERS, f"model.transformer.{key}")
+        for key in ("attention_dropout", "activation_dropout"):
+            _require(0.0 <= getattr(self, key) < 1.0, f"model.transformer.{key}", "must be in [0, 1)")
+        _require(self.max_relative_distance >= 1, "model.transformer.max_relative_distance", "must be at least 1")
+        _require_at_most(self.max_relative_distance, MAX_POSITIONS, "model.transformer.max_relative_distance")
+
+
+@dataclass(frozen=True)
+class RNNConfig:
+    """The recurrent encoder-decoder's own settings (model.arch: rnn); see seq2seq/model/rnn.py."""
 
     cell: Literal["lstm", "gru"] = "lstm"
     layers: int = 2  # encoder and decoder alike: the bridge maps layer to layer
@@ -123,58 +150,58 @@ class RNNConfig:
         )
 
 
+ARCHITECTURES = ("transformer", "rnn")  # model.arch, and the name of the section of its own settings
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of the Transformer (Vaswani et al., 2017), or of the RNN with `arch: rnn`."""
+    """The settings both architectures share, and the section of the chosen one's own settings.
 
-    d_model: int = 256
-    n_heads: int = 4
-    d_ff: int = 1024
-    encoder_layers: int = 3
-    decoder_layers: int = 3
-    dropout: float = 0.1
-    attention_dropout: float = 0.0
-    activation_dropout: float = 0.0  # inside the feed-forward block (4x wider, so 4x the RNG cost)
-    activation: Literal["relu", "gelu"] = "relu"
-    norm: Literal["post", "pre"] = "pre"
-    positions: Literal["sinusoidal", "learned", "relative", "rope"] = "sinusoidal"
-    max_positions: int = 512  # also the RNN's length limit
+    Only the section `arch` names exists (the other is None, and a config file
+    that sets it is refused): a setting the model would ignore is a mistake.
+    """
+
+    arch: Literal["transformer", "rnn"] = "transformer"
+    d_model: int = 256  # the embeddings, and the Transformer's width
+    dropout: float = 0.1  # on the embeddings and between layers
+    max_positions: int = 512  # the longest sequence the model takes
     share_decoder_embeddings: bool = True  # output projection = decoder input embedding
     share_all_embeddings: bool = True  # encoder embedding too; needs data.shared_vocab
-    arch: Literal["transformer", "rnn"] = "transformer"
-    norm_type: Literal["layernorm", "rmsnorm"] = "layernorm"
-    max_relative_distance: int = 16  # positions: relative clips distances to [-k, k] (Shaw et al., 2018)
-    rnn: RNNConfig = field(default_factory=RNNConfig)
+    transformer: TransformerConfig | None = None  # model.arch: transformer; None: the defaults
+    rnn: RNNConfig | None = None  # model.arch: rnn; None: the defaults
 
     def __post_init__(self) -> None:
         _require(self.d_model > 0, "model.d_model", "must be positive")
-        _require(self.n_heads > 0, "model.n_heads", "must be positive")
         _require_at_most(self.d_model, MAX_WIDTH, "model.d_model")
-        _require_at_most(self.n_heads, MAX_HEADS, "model.n_heads")
-        _require(
-            self.d_model % self.n_heads == 0,
-            "model.d_model",
-            f"({self.d_model}) must be divisible by model.n_heads ({self.n_heads})",
-        )
-        _require(self.d_ff > 0, "model.d_ff", "must be positive")
-        _require(self.encoder_layers >= 1, "model.encoder_layers", "must be at least 1")
-        _require(self.decoder_layers >= 1, "model.decoder_layers", "must be at least 1")
-        _require_at_most(self.d_ff, MAX_FF, "model.d_ff")
-        _require_at_most(self.encoder_layers, MAX_LAYERS, "model.encoder_layers")
-        _require_at_most(self.decoder_layers, MAX_LAYERS, "model.decoder_layers")
         _require(0.0 <= self.dropout < 1.0, "model.dropout", "must be in [0, 1)")
-        _require(0.0 <= self.attention_dropout < 1.0, "model.attention_dropout", "must be in [0, 1)")
-        _require(0.0 <= self.activation_dropout < 1.0, "model.activation_dropout", "must be in [0, 1)")
         _require(self.max_positions >= 8, "model.max_positions", "must be at least 8")
-        _require(self.max_relative_distance >= 1, "model.max_relative_distance", "must be at least 1")
         _require_at_most(self.max_positions, MAX_POSITIONS, "model.max_positions")
-        _require_at_most(self.max_relative_distance, MAX_POSITIONS, "model.max_relative_distance")
-        _require(
-            self.positions != "rope" or (self.d_model // self.n_heads) % 2 == 0,
-            "model.positions",
-            f"rope rotates pairs of dimensions: model.d_model / model.n_heads ({self.d_model // self.n_heads}) "
-            "must be even",
-        )
+        other = "rnn" if self.arch == "transformer" else "transformer"
+        _require(getattr(self, other) is None, f"model.{other}", f"does not apply to model.arch: {self.arch}")
+        if getattr(self, self.arch) is None:  # frozen: the chosen section's defaults are filled in once, here
+            object.__setattr__(self, self.arch, TransformerConfig() if self.arch == "transformer" else RNNConfig())
+        if self.transformer is not None:
+            _check_heads(self.d_model, self.transformer)
+
+    def dropouts(self) -> tuple[float, ...]:
+        """Every dropout probability of the chosen architecture."""
+        t = self.transformer
+        return (self.dropout,) if t is None else (self.dropout, t.attention_dropout, t.activation_dropout)
+
+
+def _check_heads(d_model: int, t: TransformerConfig) -> None:
+    """The heads split model.d_model evenly, and rotary positions rotate pairs of a head's dimensions."""
+    _require(
+        d_model % t.n_heads == 0,
+        "model.d_model",
+        f"({d_model}) must be divisible by model.transformer.n_heads ({t.n_heads})",
+    )
+    _require(
+        t.positions != "rope" or (d_model // t.n_heads) % 2 == 0,
+        "model.transformer.positions",
+        f"rope rotates pairs of dimensions: model.d_model / model.transformer.n_heads ({d_model // t.n_heads}) "
+        "must be even",
+    )
 
 
 @dataclass(frozen=True)
@@ -327,9 +354,8 @@ class ExperimentConfig:
     decode: DecodeConfig = field(default_factory=DecodeConfig)
 
     def __post_init__(self) -> None:
-        m = self.model
         _require(
-            self.train.rdrop_alpha == 0 or max(m.dropout, m.attention_dropout, m.activation_dropout) > 0,
+            self.train.rdrop_alpha == 0 or max(self.model.dropouts()) > 0,
             "train.rdrop_alpha",
             "compares two dropout passes, so it needs some dropout in model",
         )
@@ -376,16 +402,73 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def _plain(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, dict):  # the section of the architecture not chosen (None) is left out
+        return {k: _plain(v) for k, v in value.items() if v is not None}
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return value
 
 
+def dotted(raw: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested config dict as {"section.key": value}, the names a config's settings go by."""
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if isinstance(value, dict):
+            out.update(dotted(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def from_dict(raw: dict[str, Any], source: str = "<dict>") -> ExperimentConfig:
     """Build and validate a config from a nested dict (e.g. one stored in a checkpoint)."""
+    raw = {**raw}
+    if isinstance(raw.get("model"), dict):
+        raw["model"] = _architecture_sections(migrate_model(raw["model"], source), source)
     return _build(ExperimentConfig, raw, source, prefix="")
+
+
+FLAT_TRANSFORMER_KEYS = tuple(f.name for f in dataclasses.fields(TransformerConfig))
+
+
+def migrate_model(model: dict[str, Any], source: str) -> dict[str, Any]:
+    """The model section in today's layout, from the flat one of configs and checkpoints written before
+    model.transformer existed (the Transformer's keys at model.*, both architectures' settings always there).
+
+    The flat layout is read as it was then: the settings the chosen architecture ignored are dropped.
+    Today's layout comes back unchanged; a mix of the two is refused, naming the first flat key.
+    """
+    flat = [key for key in FLAT_TRANSFORMER_KEYS if key in model]
+    if not flat:
+        return model
+    if "transformer" in model:
+        raise ConfigError(
+            f"{source}: model.{flat[0]} is a Transformer setting: write it as model.transformer.{flat[0]} "
+            "(a config cannot mix model.transformer with the flat layout of earlier versions)"
+        )
+    out = {key: value for key, value in model.items() if key not in flat}
+    out["transformer"] = {key: model[key] for key in flat}
+    ignored = "transformer" if model.get("arch") == "rnn" else "rnn"
+    out.pop(ignored, None)
+    return out
+
+
+def _architecture_sections(model: dict[str, Any], source: str) -> dict[str, Any]:
+    """The model section without empty architecture sections (`model.transformer=null` on the command line
+    drops a file's); a section for the architecture not chosen would be ignored: refused, naming its first key."""
+    model = {key: value for key, value in model.items() if not (key in ARCHITECTURES and value is None)}
+    arch = model.get("arch", ModelConfig.arch)
+    if arch not in ARCHITECTURES:
+        return model  # _build names the valid choices
+    for section in ARCHITECTURES:
+        if section != arch and section in model:
+            keys = model[section]
+            key = f"model.{section}.{next(iter(keys))}" if isinstance(keys, dict) and keys else f"model.{section}"
+            raise ConfigError(
+                f"{source}: {key} does not apply to model.arch: {arch} (it is a setting of model.arch: {section}; "
+                f"model.{section}=null on the command line drops the file's)"
+            )
+    return model
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
@@ -416,10 +499,12 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             raise ConfigError(f"{path}: invalid YAML (nested too deeply)") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: a config file must be a mapping of sections")
+        if isinstance(raw.get("model"), dict):  # before the overrides, which use today's names
+            raw["model"] = migrate_model(raw["model"], source)
     for item in overrides:
         _apply_override(raw, item)
     where = source if not overrides else f"{source} + command line"
-    return _build(ExperimentConfig, raw, where, prefix="")
+    return from_dict(raw, where)
 
 
 def _read_config_file(path: str | Path) -> bytes:
@@ -496,14 +581,27 @@ def _build(cls: type, raw: Any, source: str, prefix: str) -> Any:
             hint = f" (did you mean '{prefix}{close[0]}'?)" if close else f" (valid keys: {', '.join(names)})"
             raise ConfigError(f"{source}: unknown key '{prefix}{key}'{hint}")
         kind = hints[key]
-        if isinstance(kind, type) and dataclasses.is_dataclass(kind):  # a section
-            kwargs[key] = _build(kind, value, source, prefix=f"{prefix}{key}.")
+        section = _section_type(kind)
+        if section is not None:
+            kwargs[key] = _build(section, value, source, prefix=f"{prefix}{key}.")
         else:
             kwargs[key] = _convert(value, kind, f"{prefix}{key}", source)
     try:
         return cls(**kwargs)
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
+
+
+def _section_type(kind: Any) -> type | None:
+    """The dataclass of a section field (`RNNConfig`, or `RNNConfig | None`); None for a plain setting."""
+    options = (
+        [a for a in typing.get_args(kind) if a is not type(None)]
+        if typing.get_origin(kind) in (Union, UnionType)
+        else [kind]
+    )
+    if len(options) == 1 and isinstance(options[0], type) and dataclasses.is_dataclass(options[0]):
+        return options[0]
+    return None
 
 
 def _convert(value: Any, kind: Any, key: str, source: str) -> Any:

@@ -95,12 +95,13 @@ def _write(ctranslate2: Any, spec: Any, stored: Checkpoint, out: Path, quantizat
 
 def _check_exportable(stored: Checkpoint) -> None:
     """What this exporter maps onto CTranslate2's Transformer spec: the original Transformer's variants."""
-    m = stored.config.model
-    settings: list[tuple[str, str, tuple[str, ...]]] = [
-        ("model.arch", m.arch, ("transformer",)),
-        ("model.norm_type", m.norm_type, ("layernorm",)),
-        ("model.positions", m.positions, ("sinusoidal", "learned")),
-    ]
+    m, t = stored.config.model, stored.config.model.transformer
+    settings: list[tuple[str, str, tuple[str, ...]]] = [("model.arch", m.arch, ("transformer",))]
+    if t is not None:
+        settings += [
+            ("model.transformer.norm_type", t.norm_type, ("layernorm",)),
+            ("model.transformer.positions", t.positions, ("sinusoidal", "learned")),
+        ]
     for key, value, exportable in settings:
         if value not in exportable:
             raise ExportError(
@@ -124,13 +125,14 @@ def _converter(ctranslate2: Any, spec: Any) -> Any:
 
 
 def _spec(specs: Any, stored: Checkpoint, model: Seq2SeqTransformer) -> Any:
-    cfg = stored.config.model
+    t = stored.config.model.transformer
+    assert t is not None, "_check_exportable refuses other architectures"
     gelu, relu = specs.common_spec.Activation.GELU, specs.common_spec.Activation.RELU
     spec = specs.TransformerSpec.from_config(
-        (cfg.encoder_layers, cfg.decoder_layers),
-        cfg.n_heads,
-        pre_norm=cfg.norm == "pre",
-        activation=gelu if cfg.activation == "gelu" else relu,
+        (t.encoder_layers, t.decoder_layers),
+        t.n_heads,
+        pre_norm=t.norm == "pre",
+        activation=gelu if t.activation == "gelu" else relu,
     )
     _set_encoder(spec.encoder, model.encoder)
     _set_decoder(spec.decoder, model.decoder)

@@ -45,7 +45,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from seq2seq.config import DecodeConfig, ExperimentConfig, from_dict, load_config, to_dict
+from seq2seq.config import DecodeConfig, ExperimentConfig, dotted, from_dict, load_config, migrate_model, to_dict
 from seq2seq.data import pad
 from seq2seq.errors import UserError
 from seq2seq.owned import is_regular_file, sha256_file
@@ -305,8 +305,9 @@ def check_files(path: Path, config: ExperimentConfig) -> None:
         if entry is None:
             raise UserError(f"{file} is not one of the files {path / MANIFEST} lists; export the model again")
         _check_file(file, entry)
-    model = to_dict(config)["model"]
-    for key, exported in manifest["model"].items():
+    model = dotted(to_dict(config)["model"])
+    exported_model = migrate_model(manifest["model"], str(path / MANIFEST))  # exports of the flat layout too
+    for key, exported in dotted(exported_model).items():
         value = model.get(key)
         if value != exported:
             raise UserError(

@@ -6,11 +6,13 @@ import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from seq2seq.cli import main
+from seq2seq.config import ModelConfig, TransformerConfig, migrate_model
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, for the CUDA runs below
@@ -96,3 +98,11 @@ def device(request: pytest.FixtureRequest) -> Iterator[torch.device]:
 def single_thread_env() -> dict[str, str]:
     """The environment for a `python -m seq2seq` subprocess, limited to one thread like the tests themselves."""
     return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def model_config(**settings: Any) -> ModelConfig:
+    """A ModelConfig from keyword arguments in the flat layout (n_heads=2, arch="rnn", rnn=RNNConfig(...)):
+    the Transformer's keys go to model.transformer, or are dropped for an RNN, as config files' are."""
+    model = migrate_model(settings, "model_config")
+    transformer = model.pop("transformer", None)
+    return ModelConfig(**model, transformer=None if transformer is None else TransformerConfig(**transformer))

@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import model_config
 from torch import Tensor
 
 from seq2seq.alignment import model_attention, parse_layer, require_attention, select, teacher_forced_attention
-from seq2seq.config import DecodeConfig, ModelConfig, RNNConfig
+from seq2seq.config import DecodeConfig, RNNConfig
 from seq2seq.ensemble import Ensemble
 from seq2seq.errors import AttentionError, ConfigError
 from seq2seq.model import AttentionRecord, Seq2SeqModel, Seq2SeqRNN, build_model
@@ -42,7 +43,7 @@ MODELS: dict[str, dict[str, Any]] = {
 def tiny_model(seed: int = 0, **overrides: Any) -> Seq2SeqModel:
     torch.manual_seed(seed)
     base: dict[str, Any] = {"d_model": 16, "n_heads": 2, "d_ff": 32, "encoder_layers": 2, "decoder_layers": 2}
-    cfg = ModelConfig(**{**base, "dropout": 0.0, "max_positions": 32, **overrides})
+    cfg = model_config(**{**base, "dropout": 0.0, "max_positions": 32, **overrides})
     return build_model(cfg, VOCAB, VOCAB).eval()
 
 

@@ -22,6 +22,7 @@ from conftest import ROOT, TINY, single_thread_env, write_corpus
 
 from seq2seq.app import streams
 from seq2seq.cli import main
+from seq2seq.config import TransformerConfig
 from seq2seq.errors import UserError
 from seq2seq.security import MIN_TORCH, check_torch_version
 from seq2seq.tokenizer import train_tokenizer
@@ -385,7 +386,9 @@ def _crafted(checkpoint: Path, tmp_path: Path, damage: str) -> Path:
     elif damage == "python objects":
         torch.save({**raw, "payload": Path("x")}, path)
     elif damage == "huge model in config":
-        cfg = dataclasses.replace(good.config.model, d_model=32768, n_heads=8, d_ff=131072)
+        cfg = dataclasses.replace(
+            good.config.model, d_model=32768, transformer=TransformerConfig(n_heads=8, d_ff=131072)
+        )
         ckpt.save(path, dataclasses.replace(good, config=dataclasses.replace(good.config, model=cfg)))
     else:  # a field missing or replaced, with a valid checksum: crafted, not damaged
         field, value = {

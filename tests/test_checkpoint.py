@@ -24,7 +24,7 @@ from seq2seq.checkpoint import (
     remove_stale_temporaries,
 )
 from seq2seq.cli import main
-from seq2seq.config import ExperimentConfig, apply_overrides, load_config
+from seq2seq.config import ExperimentConfig, RNNConfig, TransformerConfig, apply_overrides, load_config, to_dict
 from seq2seq.errors import CheckpointError
 from seq2seq.model import Seq2SeqModel, build_model
 from seq2seq.run_dir import RunDirectory
@@ -56,11 +56,16 @@ def save_model(
 
 ARCHITECTURES = {
     "transformer": [],
-    "rope-rmsnorm-post": ["model.positions=rope", "model.norm_type=rmsnorm", "model.norm=post"],
-    "relative": ["model.positions=relative"],
-    "rnn-lstm-mlp": ["model.arch=rnn", "model.rnn.attention=mlp", "model.rnn.hidden_size=32"],
+    "rope-rmsnorm-post": [
+        "model.transformer.positions=rope",
+        "model.transformer.norm_type=rmsnorm",
+        "model.transformer.norm=post",
+    ],
+    "relative": ["model.transformer.positions=relative"],
+    "rnn-lstm-mlp": ["model.arch=rnn", "model.transformer=null", "model.rnn.attention=mlp", "model.rnn.hidden_size=32"],
     "rnn-gru-none-unidirectional": [
         "model.arch=rnn",
+        "model.transformer=null",
         "model.rnn.cell=gru",
         "model.rnn.attention=none",
         "model.rnn.bidirectional=false",
@@ -168,7 +173,9 @@ def test_a_config_asking_for_a_huge_model_is_refused_before_allocating(
     tmp_path: Path, cfg: ExperimentConfig, tokenizer: Tokenizer
 ) -> None:
     checkpoint = Checkpoint(cfg, tokenizer, model_with_seed(cfg, tokenizer, 0).state_dict(), "r1")
-    huge = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, d_model=32768, n_heads=8, d_ff=131072))
+    huge = dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, d_model=32768, transformer=TransformerConfig(n_heads=8, d_ff=131072))
+    )
     ckpt.save(tmp_path / "huge.pt", dataclasses.replace(checkpoint, config=huge))  # 4 GiB+ if it were built
     with pytest.raises(CheckpointError, match="weights do not fit the stored config"):
         load_checkpoint(tmp_path / "huge.pt")
@@ -224,9 +231,9 @@ def test_average_refuses_checkpoints_of_different_models(
     tmp_path: Path, cfg: ExperimentConfig, tokenizer: Tokenizer
 ) -> None:
     save_model(tmp_path / "a.pt", model_with_seed(cfg, tokenizer, 0), tokenizer, cfg)
-    wider = load_config(TINY, ["model.d_ff=256"])
+    wider = load_config(TINY, ["model.transformer.d_ff=256"])
     save_model(tmp_path / "b.pt", model_with_seed(wider, tokenizer, 0), tokenizer, wider)
-    with pytest.raises(CheckpointError, match="model.d_ff is 256, not 128"):
+    with pytest.raises(CheckpointError, match="model.transformer.d_ff is 256, not 128"):
         average_checkpoints([tmp_path / "a.pt", tmp_path / "b.pt"], tmp_path / "avg.pt")
     with pytest.raises(CheckpointError, match="no checkpoints"):
         average_checkpoints([], tmp_path / "avg.pt")
@@ -287,7 +294,9 @@ def test_optimizer_state_must_describe_the_model(tmp_path: Path, cfg: Experiment
     good.check_fits(optimizer, None, "x.pt")
     older = {**state, "param_groups": [{k: v for k, v in state["param_groups"][0].items() if k != "maximize"}]}
     ckpt.TrainingState(progress, older, {}).check_fits(optimizer, None, "x.pt")  # settings a newer torch added
-    other = torch.optim.Adam(model_with_seed(load_config(TINY, ["model.encoder_layers=1"]), tokenizer, 0).parameters())
+    other = torch.optim.Adam(
+        model_with_seed(load_config(TINY, ["model.transformer.encoder_layers=1"]), tokenizer, 0).parameters()
+    )
     first = next(iter(model.parameters()))
     shapes = {**state, "state": {0: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3), "exp_avg_sq": first}}}
     cases = [
@@ -301,3 +310,47 @@ def test_optimizer_state_must_describe_the_model(tmp_path: Path, cfg: Experiment
             ckpt.TrainingState(progress, stored, {}).check_fits(optimizer, None, "x.pt")
     with pytest.raises(CheckpointError, match="lacks 'scale'"):
         good.check_fits(optimizer, torch.amp.GradScaler("cpu", enabled=True), "x.pt")
+
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        (
+            "old_transformer.pt",
+            {
+                "arch": "transformer",
+                "transformer": TransformerConfig(
+                    n_heads=2,
+                    d_ff=16,
+                    encoder_layers=1,
+                    decoder_layers=1,
+                    norm="post",
+                    positions="learned",
+                    activation="gelu",
+                ),
+                "rnn": None,
+            },
+        ),
+        ("old_rnn.pt", {"arch": "rnn", "transformer": None, "rnn": RNNConfig("gru", 1, 8, False, "dot")}),
+    ],
+)
+def test_checkpoints_of_the_flat_model_layout_load_and_resave_in_todays(
+    tmp_path: Path, name: str, expected: dict[str, object]
+) -> None:
+    """tests/data holds checkpoints saved before model.transformer existed, each with every model key flat."""
+    stored = torch.load(DATA / name, weights_only=True)
+    assert "n_heads" in stored["config"]["model"] and "rnn" in stored["config"]["model"]  # the flat layout
+    loaded = load_checkpoint(DATA / name)
+    model = loaded.config.model
+    assert {key: getattr(model, key) for key in expected} == expected
+    assert model.d_model == (8 if model.arch == "transformer" else 9)
+    ckpt.save(tmp_path / "again.pt", ckpt.read(DATA / name))
+    resaved = torch.load(tmp_path / "again.pt", weights_only=True)["config"]["model"]
+    assert "n_heads" not in resaved and resaved == to_dict(loaded.config)["model"]
+    again = load_checkpoint(tmp_path / "again.pt")
+    assert again.config == loaded.config
+    weights, reread = loaded.model.state_dict(), again.model.state_dict()
+    assert weights.keys() == reread.keys() and all(torch.equal(weights[k], reread[k]) for k in weights)

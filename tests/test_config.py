@@ -11,9 +11,11 @@ from conftest import single_thread_env
 
 from seq2seq.config import (
     ExperimentConfig,
+    RNNConfig,
     apply_overrides,
     from_dict,
     load_config,
+    migrate_model,
     save_config,
     to_dict,
 )
@@ -22,6 +24,7 @@ from seq2seq.model import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+DATA = ROOT / "tests" / "data"
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -124,12 +127,12 @@ def test_yaml_booleans_in_a_string_field_say_to_quote(tmp_path: Path) -> None:
 
 def test_invalid_choice_lists_the_choices(tmp_path: Path) -> None:
     message = config_error(write(tmp_path, "model:\n  norm: middle\n"))
-    assert "model.norm must be one of post, pre; got 'middle'" in message
+    assert "model.transformer.norm must be one of post, pre; got 'middle'" in message
 
 
 def test_d_model_not_divisible_by_heads(tmp_path: Path) -> None:
     message = config_error(write(tmp_path, "model:\n  d_model: 66\n  n_heads: 4\n"))
-    assert "model.d_model (66) must be divisible by model.n_heads (4)" in message
+    assert "model.d_model (66) must be divisible by model.transformer.n_heads (4)" in message
 
 
 @pytest.mark.parametrize(
@@ -146,11 +149,20 @@ def test_d_model_not_divisible_by_heads(tmp_path: Path) -> None:
         (["train.rdrop_alpha=5", "model.dropout=0"], "train.rdrop_alpha compares two dropout passes"),
         (["data.spm_model_type=bpe", "data.sampling_alpha=1"], "data.sampling_alpha is a dropout probability"),
         (["decode.beam_size=2", "decode.nbest=3"], "decode.nbest (3) must not exceed decode.beam_size (2)"),
-        (["model.positions=rope", "model.d_model=12", "model.n_heads=4"], "d_model / model.n_heads (3) must be even"),
-        (["model.max_relative_distance=0"], "model.max_relative_distance must be at least 1"),
-        (["model.rnn.hidden_size=33"], "model.rnn.hidden_size (33) must be even with model.rnn.bidirectional"),
-        (["model.rnn.attention=bahdanau"], "model.rnn.attention must be one of none, dot, general, mlp"),
-        (["model.rnn.cel=gru"], "did you mean 'model.rnn.cell'"),
+        (
+            ["model.transformer.positions=rope", "model.d_model=12", "model.transformer.n_heads=4"],
+            "d_model / model.transformer.n_heads (3) must be even",
+        ),
+        (["model.transformer.max_relative_distance=0"], "model.transformer.max_relative_distance must be at least 1"),
+        (
+            ["model.arch=rnn", "model.rnn.hidden_size=33"],
+            "model.rnn.hidden_size (33) must be even with model.rnn.bidirectional",
+        ),
+        (
+            ["model.arch=rnn", "model.rnn.attention=bahdanau"],
+            "model.rnn.attention must be one of none, dot, general, mlp",
+        ),
+        (["model.arch=rnn", "model.rnn.cel=gru"], "did you mean 'model.rnn.cell'"),
         (["model.arch=lstm"], "model.arch must be one of transformer, rnn"),
     ],
 )
@@ -209,7 +221,7 @@ def test_apply_overrides_returns_a_validated_copy() -> None:
 
 
 def test_save_and_load_round_trip(tmp_path: Path) -> None:
-    cfg = load_config(None, ["train.betas=[0.8, 0.9]", "model.norm=post", "data.src_lang=fr"])
+    cfg = load_config(None, ["train.betas=[0.8, 0.9]", "model.transformer.norm=post", "data.src_lang=fr"])
     save_config(cfg, tmp_path / "saved.yaml")
     assert load_config(tmp_path / "saved.yaml") == cfg
 
@@ -237,24 +249,92 @@ def test_cli_bad_config_exits_2_with_one_line_and_no_traceback(tmp_path: Path) -
 
 def test_configs_without_the_architecture_keys_get_todays_transformer() -> None:
     """Checkpoints written before model.arch, norm_type, max_relative_distance and rnn existed load unchanged."""
-    raw = to_dict(ExperimentConfig())
-    for key in ("arch", "norm_type", "max_relative_distance", "rnn"):
-        del raw["model"][key]
-    old = from_dict(raw)
+    model = to_dict(ExperimentConfig())["model"]
+    flat = {**{k: v for k, v in model.items() if k != "transformer"}, **model["transformer"]}
+    for key in ("arch", "norm_type", "max_relative_distance"):
+        del flat[key]
+    old = from_dict({**to_dict(ExperimentConfig()), "model": flat})
     assert old == ExperimentConfig()
-    assert (old.model.arch, old.model.norm_type, old.model.positions) == ("transformer", "layernorm", "sinusoidal")
+    assert old.model.transformer is not None and old.model.rnn is None
+    assert (old.model.arch, old.model.transformer.norm_type, old.model.transformer.positions) == (
+        "transformer",
+        "layernorm",
+        "sinusoidal",
+    )
+
+
+def test_config_files_of_the_flat_layout_load_as_before() -> None:
+    """tests/data/old_tiny.yaml is configs/tiny.yaml as it was before model.transformer: the same experiment."""
+    assert load_config(DATA / "old_tiny.yaml") == load_config(ROOT / "configs" / "tiny.yaml")
+    assert load_config(DATA / "old_tiny.yaml", ["model.transformer.d_ff=64"]) is not None  # migrated, then overridden
+    rnn = load_config(DATA / "old_rnn.yaml").model
+    assert rnn.arch == "rnn" and rnn.transformer is None  # n_heads, d_ff, norm: ignored then, dropped now
+    assert rnn.rnn == RNNConfig(cell="gru", layers=1, hidden_size=16)
+    assert (rnn.d_model, rnn.dropout) == (16, 0.2)
+    assert to_dict(load_config(DATA / "old_rnn.yaml"))["model"] == {
+        "arch": "rnn",
+        "d_model": 16,
+        "dropout": 0.2,
+        "max_positions": 512,
+        "rnn": {"attention": "general", "bidirectional": True, "cell": "gru", "hidden_size": 16, "layers": 1},
+        "share_all_embeddings": True,
+        "share_decoder_embeddings": True,
+    }
+
+
+def test_the_migration_leaves_todays_layout_alone() -> None:
+    model = to_dict(load_config(ROOT / "configs" / "m30k_de_en_rnn.yaml"))["model"]
+    assert migrate_model(model, "x") == model
+    model = to_dict(ExperimentConfig())["model"]
+    assert migrate_model(model, "x") == model
+
+
+@pytest.mark.parametrize(
+    ("text", "overrides", "needle"),
+    [
+        (
+            "model:\n  arch: rnn\n  transformer:\n    d_ff: 64\n",
+            [],
+            "model.transformer.d_ff does not apply to model.arch: rnn",
+        ),
+        ("model:\n  rnn:\n    cell: gru\n", [], "model.rnn.cell does not apply to model.arch: transformer"),
+        ("model:\n  arch: transformer\n  rnn: {}\n", [], "model.rnn does not apply to model.arch: transformer"),
+        ("model:\n  transformer:\n    n_heads: 2\n", ["model.arch=rnn"], "model.transformer.n_heads does not apply"),
+        ("model:\n  arch: rnn\n", ["model.transformer.norm=post"], "model.transformer.norm does not apply"),
+        ("model:\n  transformer:\n    n_heads: 2\n", ["model.d_ff=64"], "model.d_ff is a Transformer setting"),
+        ("model:\n  d_ff: 64\n  transformer:\n    n_heads: 2\n", [], "write it as model.transformer.d_ff"),
+    ],
+)
+def test_settings_of_the_architecture_not_chosen_are_refused_naming_the_key(
+    tmp_path: Path, text: str, overrides: list[str], needle: str
+) -> None:
+    message = config_error(write(tmp_path, text), *overrides)
+    assert needle in message and "exp.yaml" in message
+
+
+def test_the_command_line_switches_architecture_by_dropping_the_files_section() -> None:
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", ["model.arch=rnn", "model.transformer=null"])
+    assert cfg.model.arch == "rnn" and cfg.model.transformer is None and cfg.model.rnn == RNNConfig()
+    assert from_dict(to_dict(cfg)) == cfg
+    assert "transformer" not in to_dict(cfg)["model"]
+
+
+def test_rdrop_counts_only_the_chosen_architectures_dropout() -> None:
+    message = config_error(None, "model.arch=rnn", "model.dropout=0", "train.rdrop_alpha=1")
+    assert "train.rdrop_alpha compares two dropout passes" in message
+    assert load_config(None, ["model.dropout=0", "model.transformer.attention_dropout=0.1", "train.rdrop_alpha=1"])
 
 
 @pytest.mark.parametrize(
     "override",
     [
         "model.d_model=1099511627776",
-        "model.n_heads=4096",
-        "model.d_ff=1099511627776",
-        "model.encoder_layers=100000",
-        "model.decoder_layers=100000",
+        "model.transformer.n_heads=4096",
+        "model.transformer.d_ff=1099511627776",
+        "model.transformer.encoder_layers=100000",
+        "model.transformer.decoder_layers=100000",
         "model.max_positions=1099511627776",
-        "model.max_relative_distance=1099511627776",
+        "model.transformer.max_relative_distance=1099511627776",
         "model.rnn.layers=100000",
         "model.rnn.hidden_size=1099511627776",
         "decode.beam_size=1099511627776",
@@ -264,7 +344,8 @@ def test_configs_without_the_architecture_keys_get_todays_transformer() -> None:
 def test_absurd_sizes_are_refused_with_their_limit(override: str) -> None:
     """Sizes that fit in int64 but no memory: refused at load time, naming the key and the allowed range."""
     key = override.split("=")[0]
-    assert f"{key} must be at most " in config_error(None, override)
+    arch = ["model.arch=rnn"] if key.startswith("model.rnn.") else []
+    assert f"{key} must be at most " in config_error(None, *arch, override)
 
 
 def test_average_last_needs_as_many_kept_checkpoints() -> None:

@@ -13,13 +13,16 @@ import random
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+import yaml
 from conftest import TINY, tiny_overrides, write_corpus
 from test_bad_input import assert_clean_failure, run_in_process
 
 from seq2seq.cli import main
+from seq2seq.config import RNNConfig, to_dict
 from seq2seq.prepare import MANIFEST
 from seq2seq.tokenizer import train_tokenizer
 
@@ -337,6 +340,31 @@ def test_an_export_without_a_manifest_loads_with_a_warning_and_is_still_checked(
         assert outcome.code == 0 and "its files are not checked" in outcome.err and "Traceback" not in outcome.err
     else:
         assert_clean_failure(outcome, 1, message)
+
+
+def as_flat_layout(model: dict[str, Any]) -> dict[str, Any]:
+    """A model section as versions before model.transformer wrote it: every key flat, the RNN's too."""
+    shared = {key: value for key, value in model.items() if key != "transformer"}
+    return {**shared, **model["transformer"], "rnn": to_dict(RNNConfig())}
+
+
+@pytest.mark.parametrize("d_ff", [128, 256])
+def test_an_export_of_the_flat_model_layout_loads_and_is_still_checked(
+    d_ff: int, export_copy: Path, trained_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    manifest = json.loads((export_copy / "seq2seq-manifest.json").read_text())
+    (export_copy / "seq2seq-manifest.json").write_text(
+        json.dumps({**manifest, "model": as_flat_layout(manifest["model"])})
+    )
+    config = yaml.safe_load((export_copy / "seq2seq.yaml").read_text())
+    config["model"] = {**as_flat_layout(config["model"]), "d_ff": d_ff}
+    (export_copy / "seq2seq.yaml").write_text(yaml.safe_dump(config))
+    argv = ["translate", "-c", str(export_copy), "-i", str(trained_run / "config.yaml"), "--threads", "1"]
+    outcome = run_in_process(argv, capsys)
+    if d_ff == 128:  # as exported
+        assert outcome.code == 0 and "Traceback" not in outcome.err
+    else:
+        assert_clean_failure(outcome, 1, "model.transformer.d_ff is 256, but the exported model has 128")
 
 
 def test_export_replaces_only_an_earlier_export(

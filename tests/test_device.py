@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from conftest import model_config
 from torch.overrides import TorchFunctionMode
 
-from seq2seq.config import ModelConfig
 from seq2seq.data import Batch
 from seq2seq.device import autocast, row_bucket
 from seq2seq.model import build_model
@@ -60,7 +60,7 @@ def test_bf16_autocast_gives_the_same_outputs_and_gradients_on_bucketed_rows() -
 
 def test_a_training_loss_in_bf16_sees_only_bucketed_row_counts() -> None:
     torch.manual_seed(0)
-    cfg = ModelConfig(d_model=32, n_heads=4, d_ff=64, encoder_layers=1, decoder_layers=1, dropout=0.0)
+    cfg = model_config(d_model=32, n_heads=4, d_ff=64, encoder_layers=1, decoder_layers=1, dropout=0.0)
     model = build_model(cfg, 40, 40)
     src = torch.randint(4, 40, (5, 11))
     tgt_in, tgt_out = torch.randint(4, 40, (5, 7)), torch.randint(4, 40, (5, 7))

@@ -11,6 +11,7 @@ from conftest import TINY, tiny_overrides
 
 from seq2seq import checkpoint as ckpt
 from seq2seq.cli import main
+from seq2seq.config import TransformerConfig
 from seq2seq.model import build_model
 from seq2seq.translate import Translator
 
@@ -70,31 +71,37 @@ def test_export_refuses_bad_requests(trained_run: Path, tmp_path: Path, capsys: 
     assert "holds files seq2seq did not write there (keep.txt)" in capsys.readouterr().err
     assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
     stored = ckpt.read(checkpoint)
-    rope = dataclasses.replace(stored.config, model=dataclasses.replace(stored.config.model, positions="rope"))
+    rope = dataclasses.replace(
+        stored.config, model=dataclasses.replace(stored.config.model, transformer=TransformerConfig(positions="rope"))
+    )
     model = build_model(rope.model, stored.tokenizer.src_vocab_size, stored.tokenizer.tgt_vocab_size)
     ckpt.save(tmp_path / "rope.pt", ckpt.Checkpoint(rope, stored.tokenizer, model.state_dict()))
     assert main(["export", str(tmp_path / "rope.pt"), "-o", str(tmp_path / "b")]) == 1
-    assert "model.positions=rope does not export to CTranslate2 yet" in capsys.readouterr().err
+    assert "model.transformer.positions=rope does not export to CTranslate2 yet" in capsys.readouterr().err
 
 
 # Every variant the exporter maps, each value at least once: a tiny model trained a little,
 # exported, and run through the same text pipeline in both engines.
 VARIANTS = {
-    "pre-learned-shared-relu": ["model.norm=pre", "model.positions=learned", "model.activation=relu"],
+    "pre-learned-shared-relu": [
+        "model.transformer.norm=pre",
+        "model.transformer.positions=learned",
+        "model.transformer.activation=relu",
+    ],
     "post-sinusoidal-separate-gelu": [
-        "model.norm=post",
-        "model.activation=gelu",
+        "model.transformer.norm=post",
+        "model.transformer.activation=gelu",
         "data.shared_vocab=false",
         "model.share_all_embeddings=false",
     ],
     "post-learned-separate-output": [
-        "model.norm=post",
-        "model.positions=learned",
+        "model.transformer.norm=post",
+        "model.transformer.positions=learned",
         "data.shared_vocab=false",
         "model.share_all_embeddings=false",
         "model.share_decoder_embeddings=false",
     ],
-    "pre-sinusoidal-shared-gelu": ["model.norm=pre", "model.activation=gelu"],
+    "pre-sinusoidal-shared-gelu": ["model.transformer.norm=pre", "model.transformer.activation=gelu"],
 }
 
 

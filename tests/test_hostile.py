@@ -119,7 +119,8 @@ def nested(tmp_path: Path, good: dict[str, Any]) -> Path:
 
 
 def huge_config(tmp_path: Path, good: dict[str, Any]) -> Path:
-    config = {**good["config"], "model": {**good["config"]["model"], "encoder_layers": 300_000}}
+    model = good["config"]["model"]
+    config = {**good["config"], "model": {**model, "transformer": {**model["transformer"], "encoder_layers": 300_000}}}
     return save_raw(tmp_path / "c.pt", {**good, "config": config})
 
 
@@ -137,7 +138,7 @@ def one_weight(
 CHECKPOINT_CASES = {
     "pickle aliasing one list": (aliased, "repeats shared parts far beyond the file's size"),
     "20,000-deep nesting": (nested, "nested more than 32 levels deep"),
-    "stored config of 300,000 layers": (huge_config, "model.encoder_layers must be at most 256"),
+    "stored config of 300,000 layers": (huge_config, "model.transformer.encoder_layers must be at most 256"),
     "sparse weight": (one_weight(lambda t: t.to_sparse(), checksum=False), "is stored sparse_coo"),
     "weight on the meta device": (one_weight(lambda t: t.to("meta"), checksum=False), "is on the meta device"),
     "integer weight": (one_weight(lambda t: t.long()), "holds torch.int64 numbers"),
@@ -214,10 +215,10 @@ def test_average_of_unrelated_runs_is_refused(trained_run: Path, tmp_path: Path)
     lines = [" ".join(words[(i * k) % len(words)] for k in range(1, 6)) for i in range(300)]
     tokenizers = {
         "tokenizer": train_tokenizer(lines, lines, 40, True),
-        "model.d_ff": base.tokenizer,
+        "model.transformer.d_ff": base.tokenizer,
     }
     for needle, tokenizer in tokenizers.items():
-        config = base.config if needle == "tokenizer" else load_config(TINY, ["model.d_ff=256"])
+        config = base.config if needle == "tokenizer" else load_config(TINY, ["model.transformer.d_ff=256"])
         model = build_model(config.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
         other = ckpt.Checkpoint(config, tokenizer, model.state_dict(), run_id="another-run")
         ckpt.save(tmp_path / "other.pt", other)
@@ -254,8 +255,14 @@ ALIAS_BOMB = "".join(
         (["train", "--config", "{bomb}"], "YAML aliases (*name) are not supported"),
         (["train", "--config", "/dev/zero"], "/dev/zero: not a regular file"),
         (["train", "--config", str(TINY), "model.d_model=1099511627776"], "model.d_model must be at most 65536"),
-        (["train", "--config", str(TINY), "model.encoder_layers=100000"], "model.encoder_layers must be at most 256"),
-        (["train", "--config", str(TINY), "model.max_relative_distance=1099511627776"], "must be at most 65536"),
+        (
+            ["train", "--config", str(TINY), "model.transformer.encoder_layers=100000"],
+            "model.transformer.encoder_layers must be at most 256",
+        ),
+        (
+            ["train", "--config", str(TINY), "model.transformer.max_relative_distance=1099511627776"],
+            "must be at most 65536",
+        ),
         (
             ["train", "--config", str(TINY), "data.sampling_nbest=1099511627776"],
             "data.sampling_nbest must be at most 1024",

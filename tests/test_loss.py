@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import model_config
 
-from seq2seq.config import ModelConfig
 from seq2seq.data import Batch, pad
 from seq2seq.model import build_model
 from seq2seq.training.loss import batch_loss, label_smoothed_loss, symmetric_kl
@@ -59,7 +59,7 @@ def _batch() -> Batch:
 
 
 def _model(dropout: float) -> torch.nn.Module:
-    cfg = ModelConfig(d_model=32, n_heads=4, d_ff=64, encoder_layers=2, decoder_layers=2, dropout=dropout)
+    cfg = model_config(d_model=32, n_heads=4, d_ff=64, encoder_layers=2, decoder_layers=2, dropout=dropout)
     return build_model(cfg, VOCAB, VOCAB)
 
 

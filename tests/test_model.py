@@ -14,10 +14,11 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import model_config
 from torch import Tensor
 from torch.nn.attention import SDPBackend
 
-from seq2seq.config import ModelConfig, RNNConfig
+from seq2seq.config import RNNConfig
 from seq2seq.model import DecoderCache, MultiHeadAttention, Seq2SeqModel, build_model, kernel_scope, training_kernel
 from seq2seq.model.packed import onednn_available
 from seq2seq.model.plan import CPU_KERNEL
@@ -82,7 +83,7 @@ WITH_KERNELS = [(v, k) for v in VARIANTS for k in KERNELS] + [(v, "flash") for v
 
 def tiny_model(seed: int = 0, **overrides: Any) -> Seq2SeqModel:
     torch.manual_seed(seed)
-    cfg = ModelConfig(
+    cfg = model_config(
         **{
             "d_model": 16,
             "n_heads": 2,
@@ -409,13 +410,13 @@ def test_tied_embeddings_stay_tied_after_loading_weights() -> None:
 
 
 def test_share_all_embeddings_needs_one_vocabulary() -> None:
-    cfg = ModelConfig(d_model=16, n_heads=2, d_ff=32, encoder_layers=1, decoder_layers=1)
+    cfg = model_config(d_model=16, n_heads=2, d_ff=32, encoder_layers=1, decoder_layers=1)
     with pytest.raises(ValueError, match="one vocabulary"):
         build_model(cfg, 20, 21)
 
 
 def test_separate_vocabularies_have_their_own_sizes() -> None:
-    cfg = ModelConfig(d_model=16, n_heads=2, d_ff=32, encoder_layers=1, decoder_layers=1, share_all_embeddings=False)
+    cfg = model_config(d_model=16, n_heads=2, d_ff=32, encoder_layers=1, decoder_layers=1, share_all_embeddings=False)
     model = build_model(cfg, 30, 20).eval()
     src, mask = source_batch()
     assert model(src, mask, target_batch() % 20).shape[-1] == 20

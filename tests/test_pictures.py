@@ -65,9 +65,11 @@ def checkpoint(trained_run: Path) -> Path:
     return trained_run / "checkpoint_best.pt"
 
 
-def untrained(checkpoint: Path, path: Path, **model: Any) -> Path:
+def untrained(checkpoint: Path, path: Path, layers: dict[str, Any] | None = None, **model: Any) -> Path:
     """A checkpoint of another (untrained) model with the trained one's tokenizer and settings."""
     stored = ckpt.read(checkpoint)
+    if layers is not None:  # changes to the stored model.transformer
+        model["transformer"] = dataclasses.replace(stored.config.model.transformer, **layers)
     config = dataclasses.replace(stored.config, model=dataclasses.replace(stored.config.model, **model))
     torch.manual_seed(0)
     weights = build_model(config.model, stored.tokenizer.src_vocab_size, stored.tokenizer.tgt_vocab_size)
@@ -115,10 +117,12 @@ def test_cli_draws_one_picture_per_line_and_translates_as_before(checkpoint: Pat
 
 
 def test_cli_draws_an_rnns_alignment_and_an_ensembles_mean(checkpoint: Path, tmp_path: Path) -> None:
-    rnn = untrained(checkpoint, tmp_path / "rnn.pt", arch="rnn", rnn=RNNConfig(attention="mlp", hidden_size=32))
+    rnn = untrained(
+        checkpoint, tmp_path / "rnn.pt", arch="rnn", transformer=None, rnn=RNNConfig(attention="mlp", hidden_size=32)
+    )
     assert translate(rnn, tmp_path, "--attention-dir", str(tmp_path / "rnn")) == 0
     assert read_png(tmp_path / "rnn" / "000003.png").ndim == 3
-    deeper = untrained(checkpoint, tmp_path / "deeper.pt", decoder_layers=3)
+    deeper = untrained(checkpoint, tmp_path / "deeper.pt", layers={"decoder_layers": 3})
     assert translate([checkpoint, deeper], tmp_path, "--attention-dir", str(tmp_path / "ensemble")) == 0
     assert sorted(p.name for p in (tmp_path / "ensemble").iterdir()) == ["000001.png", "000003.png"]
 
@@ -136,8 +140,10 @@ def test_an_ensemble_of_a_model_with_itself_attends_as_the_model(checkpoint: Pat
 def test_what_cannot_be_drawn_is_one_line_before_any_output(
     checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    none = untrained(checkpoint, tmp_path / "none.pt", arch="rnn", rnn=RNNConfig(attention="none", hidden_size=32))
-    deeper = untrained(checkpoint, tmp_path / "deeper.pt", decoder_layers=3)
+    none = untrained(
+        checkpoint, tmp_path / "none.pt", arch="rnn", transformer=None, rnn=RNNConfig(attention="none", hidden_size=32)
+    )
+    deeper = untrained(checkpoint, tmp_path / "deeper.pt", layers={"decoder_layers": 3})
     cases = [
         ([none], [], 1, "this model has no attention (model.rnn.attention: none)"),
         ([checkpoint, deeper], ["--attention-layer", "all"], 1, "the ensemble's members show different numbers"),

@@ -22,7 +22,7 @@ from seq2seq.run_dir import RunDirectory
 from seq2seq.training.trainer import train
 
 FAST = ("train.valid_bleu=false", "train.max_tokens=256", "train.max_epochs=1000", "train.log_every=1")
-DROPOUT = ("model.dropout=0.2", "model.attention_dropout=0.1", "train.warmup_steps=4")  # so the RNG matters
+DROPOUT = ("model.dropout=0.2", "model.transformer.attention_dropout=0.1", "train.warmup_steps=4")  # so the RNG matters
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +95,7 @@ def test_a_resumed_run_averages_and_prunes_only_its_own_checkpoints(small: Path,
     assert ckpt.read(run.average).averaged_from == [str(run.step(n)) for n in (3, 4, 5)]
 
 
-@pytest.mark.parametrize("change", ["data.vocab_size=40", "data.spm_model_type=bpe", "model.d_ff=64"])
+@pytest.mark.parametrize("change", ["data.vocab_size=40", "data.spm_model_type=bpe", "model.transformer.d_ff=64"])
 def test_resume_refuses_what_the_tokenizer_data_or_weights_fixed(
     small: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], change: str
 ) -> None:

@@ -189,7 +189,7 @@ def test_rdrop_reaches_the_training_step_and_trains(small: Path, tmp_path: Path)
         (2, 3, 10, ()),
         (1, 5, 20, ("data.sampling_alpha=0.2", "data.sampling_nbest=-1")),
         (2, 3, 10, ("train.rdrop_alpha=2",)),
-        (1, 5, 20, ("model.arch=rnn", "model.rnn.hidden_size=32", "model.rnn.attention=mlp")),
+        (1, 5, 20, ("model.arch=rnn", "model.transformer=null", "model.rnn.hidden_size=32", "model.rnn.attention=mlp")),
         (1, 5, 20, ("train.num_workers=2", "data.sampling_alpha=0.2")),  # collated in worker processes
         (2, 3, 10, ("train.precision=bf16",)),  # autocast, bounded rows, the kernel choice: on every CPU kind
     ],
@@ -201,7 +201,7 @@ def test_resume_reaches_the_same_weights_as_an_uninterrupted_run(
     with subword sampling, the resumed epoch must be segmented as before; with R-Drop, both passes masked as before."""
     settings = (
         "model.dropout=0.2",
-        "model.attention_dropout=0.1",
+        "model.transformer.attention_dropout=0.1",
         f"train.update_freq={update_freq}",
         "train.warmup_steps=4",
         f"train.device={device.type}",

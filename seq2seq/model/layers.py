@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from seq2seq.config import TransformerConfig
 from seq2seq.model.attention import MultiHeadAttention, Packing
 from seq2seq.model.cache import LayerCache
 from seq2seq.model.dropout import Dropout, add_dropout
@@ -23,20 +24,18 @@ from seq2seq.model.plan import StepPlan
 
 @dataclass(frozen=True)
 class LayerOptions:
-    """A layer's variants besides its sizes (defaults: the 2017 LayerNorm, no positions inside attention)."""
+    """A layer's variants besides its sizes: model.transformer's norm_type, positions and max_relative_distance
+    (rope or relative positions live inside self-attention, up to `max_positions`)."""
 
-    norm_type: str = "layernorm"  # layernorm | rmsnorm
-    positions: str = ""  # rope | relative: positions inside self-attention; anything else: none there
+    settings: TransformerConfig = TransformerConfig()
     max_positions: int = 0
-    max_relative_distance: int = 0
 
     def norm(self, d_model: int) -> nn.Module:
-        return nn.RMSNorm(d_model, eps=1e-5) if self.norm_type == "rmsnorm" else nn.LayerNorm(d_model)
+        return nn.RMSNorm(d_model, eps=1e-5) if self.settings.norm_type == "rmsnorm" else nn.LayerNorm(d_model)
 
     def self_attention(self, d_model: int, n_heads: int, dropout: float) -> MultiHeadAttention:
-        return MultiHeadAttention(
-            d_model, n_heads, dropout, self.positions, self.max_positions, self.max_relative_distance
-        )
+        s = self.settings
+        return MultiHeadAttention(d_model, n_heads, dropout, s.positions, self.max_positions, s.max_relative_distance)
 
 
 class FeedForward(nn.Module):

@@ -267,6 +267,8 @@ class Seq2SeqRNN(nn.Module):
 def build_rnn(cfg: ModelConfig, src_vocab_size: int, tgt_vocab_size: int) -> Seq2SeqRNN:
     """The RNN encoder-decoder a config describes (model.arch: rnn)."""
     d, r = cfg.d_model, cfg.rnn
+    if r is None:
+        raise ValueError(f"model.arch: {cfg.arch} has no model.rnn settings")
     src_tokens, tgt_tokens = token_embeddings(cfg, src_vocab_size, tgt_vocab_size)
     cell = nn.LSTM if r.cell == "lstm" else nn.GRU
     between = cfg.dropout if r.layers > 1 else 0.0  # dropout between stacked layers

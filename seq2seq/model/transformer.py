@@ -224,31 +224,33 @@ class Seq2SeqTransformer(nn.Module):
 
 def build_transformer(cfg: ModelConfig, src_vocab_size: int, tgt_vocab_size: int) -> Seq2SeqTransformer:
     """The Transformer a config describes, with fairseq-style initialisation."""
-    d = cfg.d_model
+    d, t = cfg.d_model, cfg.transformer
+    if t is None:
+        raise ValueError(f"model.arch: {cfg.arch} has no model.transformer settings")
     src_tokens, tgt_tokens = token_embeddings(cfg, src_vocab_size, tgt_vocab_size)
-    options = LayerOptions(cfg.norm_type, cfg.positions, cfg.max_positions, cfg.max_relative_distance)
+    options = LayerOptions(t, cfg.max_positions)
     layer_args = (
         d,
-        cfg.n_heads,
-        cfg.d_ff,
+        t.n_heads,
+        t.d_ff,
         cfg.dropout,
-        cfg.attention_dropout,
-        cfg.activation_dropout,
-        cfg.activation,
-        cfg.norm == "pre",
+        t.attention_dropout,
+        t.activation_dropout,
+        t.activation,
+        t.norm == "pre",
         options,
     )
-    encoder_layers = [EncoderLayer(*layer_args) for _ in range(cfg.encoder_layers)]
-    decoder_layers = [DecoderLayer(*layer_args) for _ in range(cfg.decoder_layers)]
+    encoder_layers = [EncoderLayer(*layer_args) for _ in range(t.encoder_layers)]
+    decoder_layers = [DecoderLayer(*layer_args) for _ in range(t.decoder_layers)]
     for module in [*encoder_layers, *decoder_layers]:
         _init_linear(module)
     output = output_layer(cfg, tgt_tokens, tgt_vocab_size)
 
     def final_norm() -> nn.Module:
-        return options.norm(d) if cfg.norm == "pre" else nn.Identity()
+        return options.norm(d) if t.norm == "pre" else nn.Identity()
 
     def embedding(tokens: nn.Embedding) -> Embedding:
-        return Embedding(tokens, d, cfg.max_positions, cfg.positions, cfg.dropout)
+        return Embedding(tokens, d, cfg.max_positions, t.positions, cfg.dropout)
 
     encoder = Encoder(embedding(src_tokens), encoder_layers, final_norm())
     decoder = Decoder(embedding(tgt_tokens), decoder_layers, final_norm(), output)
