@@ -96,7 +96,6 @@ class DecoderCache:
         self.rows: Tensor | None = None  # (N,) the stored row of each row search sees; None: the same
         self.self_kv: Tensor | None = None  # (L, 2, P, H, capacity, Dh): the first P rows of _buffer
         self._buffer: Tensor | None = None
-        self._spare: Tensor | None = None  # as large as _buffer, once a reorder has needed it
         self._cross_bias: Tensor | None = None
         # None: nothing recorded. A record: each step keeps its cross-attention weights (N, L, H, S) in
         # `attention.steps`, rows as they are at that step (reorder and select leave what was recorded alone).
@@ -135,7 +134,7 @@ class DecoderCache:
         grown = like.new_empty(len(self.layers), 2, P, H, capacity, Dh)
         if kv is not None:
             grown[:, :, :, :, : self.step] = kv[:, :, :, :, : self.step]
-        self.self_kv, self._buffer, self._spare = grown, grown, None
+        self.self_kv, self._buffer = grown, grown
         return grown
 
     def reorder(self, index: Tensor) -> None:
@@ -174,18 +173,21 @@ class DecoderCache:
         return bool((rows[1:] > rows[:-1]).all())
 
     def _move(self, index: Tensor) -> None:
-        """Stored self-attention rows <- their rows `index`."""
+        """Stored self-attention rows <- their rows `index`, in place: only the rows whose content changes
+        are copied (in a beam, most hypotheses extend their own row), and no second buffer is kept."""
         if self.self_kv is None or self._buffer is None:
             return
         n, (L, _, rows, H, capacity, Dh) = index.shape[0], self._buffer.shape
+        valid = self._buffer[:, :, :, :, : self.step]
         if n > rows:  # more rows than ever before: a larger buffer
-            target, spare = self._buffer.new_empty(L, 2, n, H, capacity, Dh), None
+            grown = self._buffer.new_empty(L, 2, n, H, capacity, Dh)
+            torch.index_select(valid, 2, index, out=grown[:, :, :, :, : self.step])
+            self._buffer = grown
         else:
-            target = self._spare if self._spare is not None else torch.empty_like(self._buffer)
-            spare = self._buffer
-        valid = (slice(None), slice(None), slice(None), slice(None), slice(0, self.step))
-        torch.index_select(self.self_kv[valid], 2, index, out=target[:, :, :n][valid])
-        self.self_kv, self._buffer, self._spare = target[:, :, :n], target, spare
+            moved = (index != torch.arange(n, device=index.device)).nonzero().squeeze(1)
+            if moved.numel():
+                valid[:, :, moved] = valid[:, :, index[moved]]  # gathered into a temporary before any row is written
+        self.self_kv = self._buffer[:, :, :n]
 
     def cross_bias(self, like: Tensor) -> Tensor:
         """cross_mask as an additive bias (G * H, 1, S): 0 where attention is allowed, -inf at padding.
