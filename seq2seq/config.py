@@ -232,9 +232,7 @@ class TrainConfig:
     valid_bleu: bool = True  # decode the validation set for BLEU at each validation
     best_metric: Literal["bleu", "loss"] = "bleu"
     patience: int = 0  # validations without improvement before stopping; 0: never stop
-    save_every: int = (
-        0  # steps between checkpoint_last saves besides validations (bounds the loss to a kill -9); 0: off
-    )
+    save_every: int = 0  # steps between saves besides validations (checkpoint_last and a step checkpoint); 0: off
     keep_last: int = 5  # epoch/step checkpoints kept besides checkpoint_last and _best
     average_last: int = 0  # average this many last checkpoints at the end of training; 0: off
     log_every: int = 50

@@ -95,6 +95,20 @@ def test_a_resumed_run_averages_and_prunes_only_its_own_checkpoints(small: Path,
     assert ckpt.read(run.average).averaged_from == [str(run.step(n)) for n in (3, 4, 5)]
 
 
+def test_save_every_writes_step_checkpoints_and_average_says_when_it_finds_fewer(
+    small: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = RunDirectory(tmp_path / "run")
+    settings = ("train.max_steps=4", "train.valid_every=0", "train.save_every=2", "train.keep_last=5")
+    assert cli_train(small, run.path, *settings, "train.average_last=3") == 0
+    assert [p.name for p in run.step_checkpoints()] == ["checkpoint_step2.pt", "checkpoint_step4.pt"]
+    assert "train.average_last=3, but this run kept 2 step checkpoints" in capsys.readouterr().err
+    assert main(["average", "--run-dir", str(run.path), "--last", "5", "-o", str(tmp_path / "avg.pt")]) == 0
+    err = capsys.readouterr().err
+    assert "--last 5: " in err and "holds only 2 step checkpoint(s) of its run; averaging those" in err
+    assert ckpt.read(tmp_path / "avg.pt").averaged_from == [str(run.step(n)) for n in (2, 4)]
+
+
 @pytest.mark.parametrize("change", ["data.vocab_size=40", "data.spm_model_type=bpe", "model.transformer.d_ff=64"])
 def test_resume_refuses_what_the_tokenizer_data_or_weights_fixed(
     small: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], change: str

@@ -47,7 +47,11 @@ def average(
     if run_dir:
         if not Path(run_dir).is_dir():
             raise UserError(f"run directory not found: {run_dir}")
-        paths += RunDirectory(run_dir).latest(last)
+        found = RunDirectory(run_dir).latest(last)
+        if len(found) < last:
+            log.warning("--last %d: %s holds only %d step checkpoint(s) of its run; averaging those", last, run_dir,
+                        len(found))  # fmt: skip
+        paths += found
     if not paths:
         raise UserError("nothing to average: give checkpoints, or --run-dir with checkpoint_step*.pt files")
     refuse_overwriting(Path(output), "--output", *paths)

@@ -117,6 +117,9 @@ class Trainer:
             if self.main and self.cfg.train.average_last > 0 and not self.stop.received:
                 paths = self.run.average_last(self.cfg.train.average_last, run_id=self.run_id)
                 log.info("averaged %d checkpoints into %s", len(paths), self.run.average)
+                if len(paths) < self.cfg.train.average_last:
+                    log.warning("train.average_last=%d, but this run kept %d step checkpoints (train.keep_last=%d)",
+                                self.cfg.train.average_last, len(paths), self.cfg.train.keep_last)  # fmt: skip
         finally:
             self.close()
         return self.progress
@@ -160,7 +163,7 @@ class Trainer:
         if t.valid_every and step % t.valid_every == 0:
             self._validate_and_save()
         elif t.save_every and step % t.save_every == 0:
-            self._save()
+            self._save(keep=True)
 
     def _finish(self, reason: str) -> None:
         p = self.progress
