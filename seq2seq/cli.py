@@ -1,4 +1,4 @@
-"""The `seq2seq` command: download, train, translate, evaluate, average, serve.
+"""The `seq2seq` command: download, prepare, train, translate, evaluate, average, export, serve.
 
 Each subcommand turns its arguments into options and calls one function of
 the application layer (seq2seq.app) or the library. Known problems (bad

@@ -275,3 +275,11 @@ def test_main_can_run_twice_without_duplicating_log_lines(capsys: pytest.Capture
     capsys.readouterr()
     logging.getLogger("seq2seq").info("marker line")
     assert capsys.readouterr().err.count("marker line") == 1
+
+
+def test_the_top_level_help_names_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    first = capsys.readouterr().out.split("\n\n")[1]  # the description, before the argument lists
+    for command in ("download", "prepare", "train", "translate", "evaluate", "average", "export", "serve"):
+        assert command in first, command
