@@ -489,6 +489,8 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             raise ConfigError(
                 f"{path}:{e.line}: YAML aliases (*name) are not supported; write the values out"
             ) from None
+        except DuplicateKeyError as e:
+            raise ConfigError(f"{path}:{e.line}: {e.key!r} is given twice in the same section") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" at line {mark.line + 1}" if mark is not None else ""
@@ -530,13 +532,30 @@ class AliasError(yaml.YAMLError):
         self.line = line
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    """A key given twice in one mapping: YAML keeps the last silently, so an edit to the first does nothing."""
+
+    def __init__(self, line: int, key: object) -> None:
+        super().__init__(f"{key!r} again at line {line}")
+        self.line, self.key = line, key
+
+
 class _NoAliasLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, refusing aliases (anchors alone are harmless)."""
+    """PyYAML's safe loader, refusing aliases (anchors alone are harmless) and keys given twice."""
 
     def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
         if self.check_event(yaml.AliasEvent):
             raise AliasError(self.peek_event().start_mark.line + 1)
         return super().compose_node(parent, index)
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[object] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, str | int | float | bool) and key in seen:
+                raise DuplicateKeyError(key_node.start_mark.line + 1, key)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def _parse_yaml(text: str) -> Any:

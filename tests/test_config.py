@@ -361,6 +361,17 @@ def test_yaml_aliases_are_refused(tmp_path: Path) -> None:
     assert "train.betas" in config_error(None, "train.betas=[&x 0.9, *x]")  # kept as text, then refused
 
 
+def test_a_key_given_twice_is_refused_with_its_line(tmp_path: Path) -> None:
+    """YAML would keep the second silently: an edit to the first would change nothing."""
+    twice = "train:\n  lr: 1.0e-3\n  seed: 3\n  lr: 2.0e-3\n"
+    assert "exp.yaml:4: 'lr' is given twice in the same section" in config_error(write(tmp_path, twice))
+    sections = "train:\n  lr: 1.0e-3\ndecode:\n  beam_size: 2\ntrain:\n  seed: 3\n"
+    assert "exp.yaml:5: 'train' is given twice" in config_error(write(tmp_path, sections))
+    same_name_elsewhere = "train:\n  seed: 3\ndecode:\n  seed: 4\n"
+    cfg = load_config(write(tmp_path, same_name_elsewhere))
+    assert (cfg.train.seed, cfg.decode.seed) == (3, 4)
+
+
 def test_config_files_must_be_small_regular_files(tmp_path: Path) -> None:
     assert "/dev/zero: not a regular file" in config_error(Path("/dev/zero"))
     assert "Is a directory" in config_error(tmp_path)
