@@ -136,17 +136,21 @@ def _is_count(n: Any) -> bool:
     return isinstance(n, int) and not isinstance(n, bool) and n >= 0
 
 
+NOT_PREPARED = "no prepared data"
+
+
 def stale_reason(directory: Path, d: DataConfig, tokenizer: Tokenizer | None) -> str:
     """Why the prepared data in `directory` cannot be used for `d` ('' if it can)."""
     manifest = read_manifest(directory)
     if manifest is None or not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        return "no prepared data"
+        return NOT_PREPARED
     problem = manifest_problem(manifest)
     if problem:
         return f"its {MANIFEST} is damaged ({problem})"
-    changed = [key for key in SETTINGS if manifest["settings"].get(key) != settings(d)[key]]
+    old, new = manifest["settings"], settings(d)
+    changed = [f"data.{key} {old.get(key)!r} -> {new[key]!r}" for key in SETTINGS if old.get(key) != new[key]]
     if changed:
-        return f"data.{changed[0]} changed"
+        return "changed: " + ", ".join(changed)
     if manifest["sources"] != [describe_source(path) for pair in training_files(d) for path in pair]:
         return "the training files changed"
     if tokenizer is not None and manifest["tokenizer"] != tokenizer_hash(tokenizer):
@@ -171,7 +175,8 @@ def ensure_prepared(d: DataConfig, directory: Path, tokenizer: Tokenizer | None 
     directory = _check_location(d, directory)
     reason = stale_reason(directory, d, tokenizer)
     if reason:
-        log.debug("preparing %s into %s (%s)", d.train, directory, reason)  # errors stay one line
+        level = logging.DEBUG if reason == NOT_PREPARED else logging.INFO  # a rebuild says why
+        log.log(level, "preparing %s again: %s", directory, reason)
         prepare(d, directory, tokenizer, workers)
     else:
         PreparedCorpus(directory)  # a damaged shard or a replaced tokenizer: one line now, not mid-training

@@ -15,7 +15,7 @@ from conftest import TINY, tiny_overrides, write_corpus
 from seq2seq.cli import main
 from seq2seq.config import DataConfig, load_config
 from seq2seq.errors import DataError
-from seq2seq.prepare import PreparedCorpus, prepare, stale_reason
+from seq2seq.prepare import PreparedCorpus, ensure_prepared, prepare, stale_reason
 from seq2seq.training.epochs import EpochSource
 from seq2seq.vocab import EOS
 
@@ -51,14 +51,22 @@ def test_the_sentencepiece_sample_is_capped(tmp_path: Path, caplog: pytest.LogCa
     assert "on 200 sampled pairs" in caplog.text and manifest["pairs"] == 1200
 
 
-def test_prepared_data_is_reused_until_a_file_or_a_setting_changes(tmp_path: Path) -> None:
+def test_prepared_data_is_reused_until_a_file_or_a_setting_changes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     corpus = write_corpus(tmp_path / "corpus", n_train=300)
     d, out = data_config(corpus), tmp_path / "p"
     assert stale_reason(out, d, None) == "no prepared data"
     prepare(d, out)
     assert stale_reason(out, d, None) == ""
-    assert stale_reason(out, data_config(corpus, "data.max_len=20"), None) == "data.max_len changed"
-    assert stale_reason(out, data_config(corpus, "data.vocab_size=60"), None) == "data.vocab_size changed"
+    assert stale_reason(out, data_config(corpus, "data.max_len=20"), None) == "changed: data.max_len 64 -> 20"
+    both = data_config(corpus, "data.vocab_size=60", "data.max_len=20")
+    assert stale_reason(out, both, None) == "changed: data.vocab_size 64 -> 60, data.max_len 64 -> 20"
+    with caplog.at_level("INFO", logger="seq2seq"):
+        ensure_prepared(both, tmp_path / "rebuilt")
+        assert "again" not in caplog.text  # a first preparation needs no reason
+        ensure_prepared(data_config(corpus, "data.vocab_size=60"), tmp_path / "rebuilt")
+    assert f"preparing {tmp_path / 'rebuilt'} again: changed: data.max_len 20 -> 64" in caplog.text
     other = write_corpus(tmp_path / "other", n_train=300, seed=5)
     assert stale_reason(out, d, PreparedCorpus(out).tokenizer) == ""
     prepare(data_config(other), tmp_path / "other_prepared")
@@ -124,7 +132,9 @@ def test_several_training_sets_are_prepared_together_and_upsampled_by_weight(tmp
     assert stale_reason(tmp_path / "p", cfg.data, None) == ""  # the weights are not part of the prepared data
     other = load_config(TINY, tiny_overrides(corpus, tmp_path / "run", "data.train=[train, 'extra:3']")).data
     assert stale_reason(tmp_path / "p", other, None) == ""
-    assert stale_reason(tmp_path / "p", data_config(corpus), None) == "data.train changed"
+    assert (
+        stale_reason(tmp_path / "p", data_config(corpus), None) == "changed: data.train ['train', 'extra'] -> ['train']"
+    )
 
 
 @pytest.mark.parametrize(
