@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from seq2seq import interrupt
 from seq2seq.config import load_config
-from seq2seq.errors import ConfigError, UserError
+from seq2seq.errors import ConfigError, UsageError, UserError
 from seq2seq.serve import options as serve_options
 
 if TYPE_CHECKING:
@@ -38,8 +38,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     _setup_logging(args.verbose)
     try:
         return args.run(args)
-    except ConfigError as e:
-        print(f"seq2seq: config error: {e}", file=sys.stderr)
+    except ConfigError as e:  # a config key, or (UsageError) a command-line flag
+        label = "usage error" if isinstance(e, UsageError) else "config error"
+        print(f"seq2seq: {label}: {e}", file=sys.stderr)
         return 2
     except UserError as e:
         print(f"seq2seq: error: {e}", file=sys.stderr)

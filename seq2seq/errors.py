@@ -1,7 +1,7 @@
 """The errors a user can cause and fix: each is reported as one line, never a traceback.
 
-`seq2seq.cli` turns `ConfigError` into exit code 2 and every other `UserError`
-into exit code 1. They live here, below every other module, so that any module
+`seq2seq.cli` turns `ConfigError` (and `UsageError`, a command-line flag's) into
+exit code 2 and every other `UserError` into exit code 1. They live here, below every other module, so that any module
 can raise them without importing the one that owns the topic.
 """
 
@@ -14,6 +14,10 @@ class UserError(ValueError):
 
 class ConfigError(UserError):
     """A configuration problem: a key, a value, a command-line option."""
+
+
+class UsageError(ConfigError):
+    """A command-line flag that is out of range or does not go with another (not a config key)."""
 
 
 class DataError(UserError):

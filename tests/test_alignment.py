@@ -138,7 +138,7 @@ def test_jsonl_output_gains_alignments_when_asked(checkpoint: Path, tmp_path: Pa
 @pytest.mark.parametrize(
     "options, code, message",
     [
-        (["--alignment"], 2, "config error: --alignment needs --format jsonl"),
+        (["--alignment"], 2, "usage error: --alignment needs --format jsonl"),
         (["--format", "jsonl", "--alignment", "--attention-layer", "3"], 1, "attention layer 3 does not exist"),
         (["--format", "jsonl", "--alignment", "--attention-layer", "top"], 2, "--attention-layer must be last, all"),
     ],

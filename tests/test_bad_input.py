@@ -29,7 +29,12 @@ from seq2seq.tokenizer import train_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-PREFIX = {1: "seq2seq: error: ", 2: "seq2seq: config error: ", 130: "seq2seq: interrupted"}
+# exit 2: a config key, or a command-line flag (usage error)
+PREFIX = {
+    1: ("seq2seq: error: ",),
+    2: ("seq2seq: config error: ", "seq2seq: usage error: "),
+    130: ("seq2seq: interrupted",),
+}
 
 
 @dataclass

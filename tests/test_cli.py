@@ -283,3 +283,11 @@ def test_the_top_level_help_names_every_subcommand(capsys: pytest.CaptureFixture
     first = capsys.readouterr().out.split("\n\n")[1]  # the description, before the argument lists
     for command in ("download", "prepare", "train", "translate", "evaluate", "average", "export", "serve"):
         assert command in first, command
+
+
+def test_a_flag_is_a_usage_error_and_a_key_a_config_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """Both exit 2, labelled by where the mistake is: on the command line's flags, or in the settings."""
+    assert main(["evaluate", "--hypotheses", "h.txt", "--ref", "r.txt", "--bootstrap", "0"]) == 2
+    assert capsys.readouterr().err == "seq2seq: usage error: --bootstrap must be at least 1, got 0\n"
+    assert main(["train", "--config", str(TINY), "train.no_such_key=1"]) == 2
+    assert capsys.readouterr().err.startswith("seq2seq: config error: ")

@@ -171,5 +171,5 @@ def test_prefix_file_with_jsonl_input_is_a_config_error(
     source, prefix_file = write_lines(tmp_path / "in.jsonl", []), write_lines(tmp_path / "p.txt", [])
     assert translate(checkpoint, "-i", str(source), "--input-format", "jsonl", "--prefix-file", str(prefix_file)) == 2
     assert capsys.readouterr().err.splitlines() == [
-        'seq2seq: config error: give prefixes in the JSONL input ("prefix") or with --prefix-file, not both'
+        'seq2seq: usage error: give prefixes in the JSONL input ("prefix") or with --prefix-file, not both'
     ]

@@ -289,7 +289,7 @@ def test_unloadable_checkpoint_is_one_line_and_nothing_listens(tmp_path: Path) -
 
 def test_bad_server_option_is_a_config_error() -> None:
     code, err = _serve_fails("-c", "model.pt", "--max-lines", "0")
-    assert code == 2 and err == ["seq2seq: config error: --max-lines must be at least 1"]
+    assert code == 2 and err == ["seq2seq: usage error: --max-lines must be at least 1"]
 
 
 # The batcher and the error path, in-process with engines that record or fail.

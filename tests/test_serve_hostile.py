@@ -157,7 +157,7 @@ def test_a_client_gone_mid_body_is_one_log_line(server: Server) -> None:
 @pytest.mark.parametrize("value", ["0", "nan", "3601"])
 def test_a_bad_read_timeout_is_a_config_error(value: str) -> None:
     code, err = _serve_fails("-c", "model.pt", "--read-timeout", value)
-    assert code == 2 and err == ["seq2seq: config error: --read-timeout must be in (0, 3600]"]
+    assert code == 2 and err == ["seq2seq: usage error: --read-timeout must be in (0, 3600]"]
 
 
 def _head(length: int) -> bytes:

@@ -12,7 +12,7 @@ from seq2seq.app.files import refuse_overwriting
 from seq2seq.app.model import ModelOptions, open_translator
 from seq2seq.app.progress import progress_bar
 from seq2seq.data import read_lines
-from seq2seq.errors import ConfigError, DataError
+from seq2seq.errors import DataError, UsageError
 
 if TYPE_CHECKING:
     from seq2seq.config import DataConfig
@@ -81,20 +81,20 @@ def evaluate(options: EvaluateOptions, model: ModelOptions | None = None) -> Eva
 
 def _check(options: EvaluateOptions, model: ModelOptions | None) -> None:
     if model is None and not options.hypotheses:
-        raise ConfigError("evaluate needs --checkpoint or --hypotheses")
+        raise UsageError("evaluate needs --checkpoint or --hypotheses")
     if model is not None and options.hypotheses:
-        raise ConfigError("evaluate takes --checkpoint or --hypotheses, not both")
+        raise UsageError("evaluate takes --checkpoint or --hypotheses, not both")
     if options.bootstrap < 1:
-        raise ConfigError(f"--bootstrap must be at least 1, got {options.bootstrap}")
+        raise UsageError(f"--bootstrap must be at least 1, got {options.bootstrap}")
     if options.bootstrap > MAX_BOOTSTRAP:  # sacreBLEU draws every resample's indices at once
-        raise ConfigError(f"--bootstrap must be at most {MAX_BOOTSTRAP}, got {options.bootstrap}")
+        raise UsageError(f"--bootstrap must be at most {MAX_BOOTSTRAP}, got {options.bootstrap}")
 
 
 def _hypotheses_eval_set(options: EvaluateOptions) -> tuple[EvalSet, list[str]]:
     """A file of translations and its references; the language of tokenized BLEU from the tokenized
     reference's suffix (e.g. test_2016_flickr.lc.norm.tok.en)."""
     if not options.ref or not options.hypotheses:
-        raise ConfigError("evaluate --hypotheses needs --ref")
+        raise UsageError("evaluate --hypotheses needs --ref")
     hyps, refs = read_lines(options.hypotheses), read_lines(options.ref)
     tok_ref = Path(options.tok_ref) if options.tok_ref else None
     return EvalSet([], refs, tok_ref.suffix.lstrip(".") if tok_ref else "", tok_ref), hyps

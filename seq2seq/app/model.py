@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from seq2seq.config import MAX_THREADS, ExperimentConfig, apply_overrides
-from seq2seq.errors import ConfigError
+from seq2seq.errors import ConfigError, UsageError
 
 if TYPE_CHECKING:
     from seq2seq.translate import TextTranslator
@@ -48,7 +48,7 @@ def open_translator(options: ModelOptions) -> TextTranslator:
 
     _check_overrides(options.overrides)
     if not 0 <= options.threads <= MAX_THREADS:
-        raise ConfigError(f"--threads must be in [0, {MAX_THREADS}], got {options.threads}")
+        raise UsageError(f"--threads must be in [0, {MAX_THREADS}], got {options.threads}")
     if options.threads:
         import torch
 
@@ -85,11 +85,11 @@ def engine_of(options: ModelOptions) -> Literal["torch", "ctranslate2"]:
 
     exported = [p for p in options.paths if is_exported(p)]
     if exported and options.engine == "torch":
-        raise ConfigError(f"{exported[0]} is a CTranslate2 model directory: it runs with --engine ctranslate2 or auto")
+        raise UsageError(f"{exported[0]} is a CTranslate2 model directory: it runs with --engine ctranslate2 or auto")
     if not exported and options.engine != "ctranslate2":
         return "torch"
     if len(options.paths) > 1:
-        raise ConfigError("CTranslate2 runs one model; an ensemble needs checkpoint files and --engine torch")
+        raise UsageError("CTranslate2 runs one model; an ensemble needs checkpoint files and --engine torch")
     return "ctranslate2"
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from seq2seq.app.files import refuse_overwriting
 from seq2seq.config import MAX_THREADS, ExperimentConfig
-from seq2seq.errors import ConfigError, UserError
+from seq2seq.errors import UsageError, UserError
 
 log = logging.getLogger("seq2seq")
 
@@ -19,7 +19,7 @@ def prepare_data(cfg: ExperimentConfig, workers: int = 0) -> None:
     workers: encoding processes (0: one per CPU).
     """
     if not 0 <= workers <= MAX_THREADS:
-        raise ConfigError(f"--workers must be in [0, {MAX_THREADS}], got {workers}")
+        raise UsageError(f"--workers must be in [0, {MAX_THREADS}], got {workers}")
     from seq2seq.prepare import ensure_prepared
     from seq2seq.run_dir import RunDirectory
     from seq2seq.training.setup import prepared_path
@@ -42,7 +42,7 @@ def average(
     from seq2seq.run_dir import RunDirectory
 
     if last < 1:
-        raise ConfigError("average --last must be at least 1")
+        raise UsageError("average --last must be at least 1")
     paths = [Path(p) for p in checkpoints]
     if run_dir:
         if not Path(run_dir).is_dir():

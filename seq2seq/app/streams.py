@@ -19,7 +19,7 @@ from seq2seq.app.files import refuse_output_that_is_read
 from seq2seq.app.model import ModelOptions, engine_of, open_translator
 from seq2seq.app.progress import progress_bar
 from seq2seq.data import decode_lines, read_lines
-from seq2seq.errors import ConfigError, UserError
+from seq2seq.errors import UsageError, UserError
 from seq2seq.inputs import Record
 
 if TYPE_CHECKING:
@@ -104,9 +104,9 @@ def check_options(options: TranslateOptions) -> LayerChoice:
     from seq2seq.alignment import parse_layer
 
     if options.alignment and options.format != "jsonl":
-        raise ConfigError("--alignment needs --format jsonl (the alignments are fields of each JSON line)")
+        raise UsageError("--alignment needs --format jsonl (the alignments are fields of each JSON line)")
     if options.prefix_file and options.input_format == "jsonl":
-        raise ConfigError('give prefixes in the JSONL input ("prefix") or with --prefix-file, not both')
+        raise UsageError('give prefixes in the JSONL input ("prefix") or with --prefix-file, not both')
     if options.attention_dir:
         from seq2seq.pictures import require_matplotlib
 
@@ -120,7 +120,7 @@ def open_for(model: ModelOptions, options: TranslateOptions) -> TextTranslator:
     from dataclasses import replace
 
     if options.inspects and engine_of(model) == "ctranslate2":
-        raise ConfigError("--attention-dir and --alignment need the PyTorch engine (a checkpoint file)")
+        raise UsageError("--attention-dir and --alignment need the PyTorch engine (a checkpoint file)")
     translator = open_translator(replace(model, token_scores=options.format == "jsonl"))
     if options.inspects:
         from seq2seq.alignment import parse_layer, require_attention

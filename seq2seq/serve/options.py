@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from seq2seq.errors import ConfigError, UserError
+from seq2seq.errors import UsageError, UserError
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class ServeOptions:
 
 def _require(ok: bool, option: str, message: str) -> None:
     if not ok:
-        raise ConfigError(f"{option} {message}")
+        raise UsageError(f"{option} {message}")
 
 
 def require_extra() -> None:
