@@ -6,6 +6,7 @@ import hashlib
 import json
 import math
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from conftest import TINY, WORDS, reversal_pairs, tiny_overrides
 from seq2seq import checkpoint as ckpt
 from seq2seq.cli import main
 from seq2seq.config import ExperimentConfig, load_config
+from seq2seq.errors import ConfigError
 from seq2seq.prepare import MANIFEST, tokenizer_hash
 from seq2seq.training.trainer import Trainer, train
 
@@ -170,32 +172,32 @@ def test_a_missing_parent_is_one_line(
     assert len(err.splitlines()) == 1 and "train.init_from: checkpoint not found" in err, err
 
 
-def test_a_parent_inside_the_new_run_directory_is_refused(trained_run: Path, shifted: Path, tmp_path: Path) -> None:
+def test_a_parent_inside_the_new_run_directory_is_refused(shifted: Path, tmp_path: Path) -> None:
     """The new run would write checkpoint_best.pt over the parent."""
-    from seq2seq.errors import ConfigError
-
+    run = tmp_path / "run"
     with pytest.raises(ConfigError, match="is in train.run_dir"):
-        Trainer(child(shifted, trained_run.parent / "other", trained_run.parent / "other" / ckpt.BEST))
+        Trainer(child(shifted, run, run / ckpt.BEST))
+    with pytest.raises(ConfigError, match="is in train.run_dir"):
+        Trainer(child(shifted, run, run))
+    assert not (run / "train.log").exists()
 
 
 def test_an_interrupted_fine_tuning_run_resumes_exactly(trained_run: Path, shifted: Path, tmp_path: Path) -> None:
     """Once the child has its own checkpoint_last, a restart resumes it; the parent is not read again."""
     settings = ("model.dropout=0.2", "train.warmup_steps=4")
-    whole = train(child(shifted, tmp_path / "whole", trained_run, *settings, "train.max_steps=6"))
-    part = train(child(shifted, tmp_path / "part", trained_run, *settings, "train.max_steps=3"))
+    parent = tmp_path / "parent.pt"
+    shutil.copyfile(trained_run / ckpt.BEST, parent)
+    whole = train(child(shifted, tmp_path / "whole", parent, *settings, "train.max_steps=6"))
+    part = train(child(shifted, tmp_path / "part", parent, *settings, "train.max_steps=3"))
     assert part.step == 3
-    moved = tmp_path / "moved"
-    (trained_run / ckpt.BEST).rename(moved)  # the resume must not need the parent any more
-    try:
-        resumed = train(child(shifted, tmp_path / "part", trained_run, *settings, "train.max_steps=6"))
-    finally:
-        moved.rename(trained_run / ckpt.BEST)
+    parent.unlink()  # the resume must not need the parent any more
+    resumed = train(child(shifted, tmp_path / "part", parent, *settings, "train.max_steps=6"))
     assert (resumed.step, resumed.epoch, resumed.batch_in_epoch) == (whole.step, whole.epoch, whole.batch_in_epoch)
     a, b = ckpt.read(tmp_path / "whole" / ckpt.LAST).model, ckpt.read(tmp_path / "part" / ckpt.LAST).model
     assert all(torch.equal(a[name], b[name]) for name in a)
     log = (tmp_path / "part" / "train.log").read_text(encoding="utf-8")
     assert log.count("initialized from") == 1
-    assert f"train.init_from={trained_run} is ignored" in log and "resuming" in log
+    assert f"train.init_from={parent} is ignored" in log and "resuming" in log
 
 
 def test_prepare_encodes_a_fine_tuning_runs_data_with_the_parents_tokenizer(
