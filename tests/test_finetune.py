@@ -204,7 +204,8 @@ def test_prepare_encodes_a_fine_tuning_runs_data_with_the_parents_tokenizer(
     trained_run: Path, shifted: Path, tmp_path: Path
 ) -> None:
     run = tmp_path / "child"
-    assert main(["prepare", "--config", str(TINY), *tiny_overrides(shifted, run, f"train.init_from={trained_run}")]) == 0
+    overrides = tiny_overrides(shifted, run, f"train.init_from={trained_run}")
+    assert main(["prepare", "--config", str(TINY), *overrides]) == 0
     manifest = json.loads((run / "prepared" / MANIFEST).read_text(encoding="utf-8"))
     assert manifest["tokenizer"] == tokenizer_hash(ckpt.read(trained_run / ckpt.BEST).tokenizer)
     assert set(MAPPED) | set(MAPPED.values()) <= set(WORDS)
