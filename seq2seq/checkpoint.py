@@ -194,6 +194,7 @@ class Checkpoint:
     run_id: str = ""  # the run that wrote it ("" for files of format version 1)
     training: TrainingState | None = None  # only in checkpoint_last
     averaged_from: list[str] = field(default_factory=list)
+    step: int | None = None  # the optimizer updates behind these weights (None: a file written before it was kept)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -205,6 +206,7 @@ class Checkpoint:
             "model": self.model,
             "train_state": self.training.to_dict() if self.training else None,
             "averaged_from": list(self.averaged_from),
+            "step": self.step,
         }
 
     @classmethod
@@ -229,6 +231,9 @@ class Checkpoint:
             _expect(tensor, torch.Tensor, f"{source}: model.{name}")
         training = raw.get("train_state")
         averaged = _expect(raw.get("averaged_from", []), list, f"{source}: averaged_from")
+        step = _expect(raw.get("step"), (int, type(None)), f"{source}: step")
+        if isinstance(step, bool) or step is not None and not 0 <= step < MAX_COUNT:
+            raise CheckpointError(f"{source}: step must be in [0, 2**53); got {step}")
         return cls(
             config=config,
             tokenizer=_tokenizer(raw.get("tokenizer"), source),
@@ -236,6 +241,7 @@ class Checkpoint:
             run_id=_expect(raw.get("run_id", ""), str, f"{source}: run_id"),
             training=TrainingState.from_dict(training, source) if training is not None else None,
             averaged_from=[str(p) for p in averaged],
+            step=step,
         )
 
     def check_resumable_into(

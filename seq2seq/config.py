@@ -239,6 +239,9 @@ class TrainConfig:
     max_bad_steps: int = 20  # consecutive non-finite losses before giving up
     deterministic: bool = False
     num_workers: int = 0  # DataLoader processes collating batches while the model trains; 0: in this process
+    # Fine-tuning: a checkpoint file, or a run directory (its checkpoint_best.pt), whose weights and tokenizer
+    # start this run; everything else starts afresh (seq2seq/training/finetune.py). "": random weights.
+    init_from: str = ""
 
     def __post_init__(self) -> None:
         _require_text(self.run_dir, "train.run_dir")

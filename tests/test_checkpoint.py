@@ -153,6 +153,9 @@ def test_typed_fields_are_checked(tmp_path: Path, cfg: ExperimentConfig, tokeniz
         ("run_id", 7, "run_id must be str"),
         ("version", 99, "version 99 is not supported"),
         ("train_state", {"progress": {"step": "3"}, "optimizer": {}, "scaler": {}}, "progress.step must be int"),
+        ("step", "3", "step must be int or NoneType"),
+        ("step", -1, "step must be in"),
+        ("step", True, "step must be in"),
     ]:
         with pytest.raises(CheckpointError, match=message):
             Checkpoint.from_dict({**good, field: value}, "crafted.pt")
@@ -167,6 +170,18 @@ def test_training_state_round_trips(tmp_path: Path, cfg: ExperimentConfig, token
     loaded = ckpt.read(tmp_path / "last.pt")
     assert loaded.training is not None and loaded.training.progress == progress
     assert loaded.training.scaler == {"scale": 1.0} and loaded.run_id == "r1"
+
+
+def test_the_step_of_the_weights_round_trips_and_older_files_have_none(
+    tmp_path: Path, cfg: ExperimentConfig, tokenizer: Tokenizer
+) -> None:
+    """What a fine-tuning run names as its starting point; files written before it was kept read as unknown."""
+    checkpoint = Checkpoint(cfg, tokenizer, model_with_seed(cfg, tokenizer, 0).state_dict(), "r1", step=42)
+    ckpt.save(tmp_path / "best.pt", checkpoint)
+    assert ckpt.read(tmp_path / "best.pt").step == 42
+    older = checkpoint.to_dict()
+    del older["step"]
+    assert Checkpoint.from_dict(older, "older.pt").step is None
 
 
 def test_a_config_asking_for_a_huge_model_is_refused_before_allocating(

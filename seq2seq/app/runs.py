@@ -14,7 +14,8 @@ log = logging.getLogger("seq2seq")
 
 
 def prepare_data(cfg: ExperimentConfig, workers: int = 0) -> None:
-    """Prepare (or check) the training data, under the run's lock; a run with a checkpoint keeps its tokenizer.
+    """Prepare (or check) the training data, under the run's lock; a run with a checkpoint keeps its tokenizer,
+    a fine-tuning run (`train.init_from`) uses its parent's.
 
     workers: encoding processes (0: one per CPU).
     """
@@ -22,13 +23,16 @@ def prepare_data(cfg: ExperimentConfig, workers: int = 0) -> None:
         raise UsageError(f"--workers must be in [0, {MAX_THREADS}], got {workers}")
     from seq2seq.prepare import ensure_prepared
     from seq2seq.run_dir import RunDirectory
+    from seq2seq.training.finetune import read_parent
     from seq2seq.training.setup import prepared_path
 
     run = RunDirectory(cfg.train.run_dir)
     run.acquire()  # never rebuild the data under a `train` running in this directory
     try:
         resume = run.resume_point()
-        ensure_prepared(cfg.data, prepared_path(cfg), resume.tokenizer if resume else None, workers)
+        parent = None if resume else read_parent(cfg, run)  # a fine-tuning run encodes with its parent's
+        tokenizer = resume.tokenizer if resume else parent.tokenizer if parent else None
+        ensure_prepared(cfg.data, prepared_path(cfg), tokenizer, workers)
     finally:
         run.release()
 

@@ -13,6 +13,9 @@ within the epoch, best score and early-stopping count all come back. The
 batches of an epoch are a pure function of (data, seed, epoch, rank) and the
 dropout RNG is re-seeded from (seed, step, micro-batch) before every forward
 pass, so a resumed run computes what an uninterrupted one would.
+
+With `train.init_from`, a run without a checkpoint of its own starts from another
+run's weights and tokenizer, with everything else fresh (finetune.py).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from seq2seq.interrupt import Interrupts
 from seq2seq.run_dir import RunDirectory
 from seq2seq.tokenizer import Tokenizer
 from seq2seq.training import distributed as dist
-from seq2seq.training import monitor
+from seq2seq.training import finetune, monitor
 from seq2seq.training.optim import lr_schedule
 from seq2seq.training.setup import (
     build_training_model,
@@ -54,7 +57,7 @@ log = logging.getLogger("seq2seq.train")
 class Trainer:
     """Trains the model an `ExperimentConfig` describes; `fit()` runs to the end.
 
-    `tokenizer` skips training one (a resumed run always uses its checkpoint's).
+    `tokenizer` skips training one (a resumed run always uses its checkpoint's, a fine-tuning run its parent's).
     """
 
     def __init__(self, cfg: ExperimentConfig, tokenizer: Tokenizer | None = None) -> None:
@@ -71,12 +74,14 @@ class Trainer:
         cfg = self.cfg
         self.device, precision = setup_device(cfg.train)  # joins the process group under torchrun
         self.main = dist.is_main()
-        resume, changes = self._claim_run_dir()
+        resume, changes, parent = self._claim_run_dir()
         self.run_id = resume.run_id if resume else self.run.fresh_run_id(record=self.main)
-        corpus = prepared_corpus(cfg, resume.tokenizer if resume else tokenizer)
+        corpus = prepared_corpus(cfg, resume.tokenizer if resume else parent.tokenizer if parent else tokenizer)
         self.tokenizer = corpus.tokenizer
         self.epochs = training_data(cfg, corpus)
         self.model, optimizer, scaler = build_training_model(cfg, self.tokenizer, self.device, precision)
+        if parent:
+            finetune.initialize(self.model, parent, cfg.train.init_from)
         self.validator = build_validator(cfg, self.tokenizer, self.model, precision, self.device)
         self.progress = restore(resume, self.model, optimizer, scaler, self.run, changes) if resume else Progress()
         ddp = wrap_ddp(self.model, self.device)
@@ -91,17 +96,21 @@ class Trainer:
         params = sum(p.numel() for p in self.model.parameters()) / 1e6
         log.info("model: %.2fM parameters; %s, %s, %d process(es)", params, self.device, precision, dist.world_size())
 
-    def _claim_run_dir(self) -> tuple[Checkpoint | None, list[str]]:
-        """Lock the run directory (rank 0), check what is there, then log into it: a refused start writes nothing."""
+    def _claim_run_dir(self) -> tuple[Checkpoint | None, list[str], Checkpoint | None]:
+        """Lock the run directory (rank 0), check what is there (or the parent of a fine-tuning run), then log
+        into it: a refused start writes nothing. Returns the checkpoint to resume, its changes and the parent."""
         if self.main:
             self.run.acquire()
         else:
             logging.getLogger("seq2seq").setLevel(logging.WARNING)
         resume = self.run.resume_point()
         changes = check_resumable(resume, self.cfg, self.run) if resume else []
+        parent = None if resume else finetune.read_parent(self.cfg, self.run)
         if self.main:
             self.run.attach_log()
-        return resume, changes
+        if resume:
+            finetune.note_resume(self.cfg, self.run)
+        return resume, changes, parent
 
     # The loop.
 
@@ -213,7 +222,9 @@ class Trainer:
             return
         progress = dataclasses.replace(self.progress, elapsed=self.elapsed())
         state = TrainingState(progress, self.update.optimizer.state_dict(), self.update.scaler.state_dict())
-        checkpoint = Checkpoint(self.cfg, self.tokenizer, self.model.state_dict(), self.run_id, state)
+        checkpoint = Checkpoint(
+            self.cfg, self.tokenizer, self.model.state_dict(), self.run_id, state, step=self.progress.step
+        )
         self.run.save(checkpoint, best=improved, keep_last=self.cfg.train.keep_last if keep else 0)
 
 
