@@ -149,7 +149,7 @@ def test_a_process_killed_inside_a_save_loses_nothing_and_resumes_exactly(small:
         real, calls = os.replace, [0]
         def replace(src, dst):
             calls[0] += 1
-            if calls[0] == 5:  # the fifth save, with its temporary file complete on disk
+            if calls[0] == 10:  # step 5's checkpoint_last (each save writes a step checkpoint first), complete on disk
                 os.kill(os.getpid(), signal.SIGKILL)
             real(src, dst)
         checkpoint.os.replace = replace
