@@ -74,6 +74,7 @@ class DataConfig:
     spm_model: str = ""
     spm_model_src: str = ""
     spm_model_tgt: str = ""
+    pretokenized: bool = False  # the text's whitespace-split tokens are the pieces: a word vocabulary (no subwords)
 
     def __post_init__(self) -> None:
         _require(self.vocab_size >= 8, "data.vocab_size", "must be at least 8")
@@ -91,6 +92,10 @@ class DataConfig:
         for key in ("dir", "src_lang", "tgt_lang", "valid", "test", "src_field", "tgt_field"):
             _require_text(getattr(self, key), f"data.{key}")
         self._check_spm_models()
+        if self.pretokenized:
+            _require(not self.given_spm_models(), "data.pretokenized", "builds a vocabulary: not with data.spm_model")
+            _require(self.sampling_alpha == 0, "data.sampling_alpha", "samples subwords: not with data.pretokenized")
+            _require(self.spm_model_type == "unigram", "data.spm_model_type", "does not apply to data.pretokenized")
         _require(len(self.train) > 0, "data.train", "must name at least one training set")
         for name, weight in self.train_sets():
             _require_text(name, "data.train")

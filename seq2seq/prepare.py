@@ -66,7 +66,7 @@ CHUNK_LINES = 20_000  # lines one worker encodes at a time
 POOL_MIN_LINES = 100_000  # smaller corpora are encoded in this process: starting workers would cost more
 SETTINGS = ("train", "src_lang", "tgt_lang", "vocab_size", "shared_vocab", "spm_model_type", "spm_sample", "max_len")
 # Settings added later, with the value a manifest that lacks them was prepared with.
-LATER_SETTINGS = {"format": "text", "src_field": "src", "tgt_field": "tgt"}
+LATER_SETTINGS = {"format": "text", "src_field": "src", "tgt_field": "tgt", "pretokenized": False}
 VOCAB_SHORTFALL = 0.9  # fewer pieces than this share of data.vocab_size: the request was above what the data supports
 
 
@@ -266,10 +266,11 @@ def given_tokenizer(d: DataConfig) -> Tokenizer | None:
 
 def _train(d: DataConfig, files: list[tuple[Path, ...]], sample: tuple[list[str], list[str]]) -> Tokenizer:
     """A SentencePiece vocabulary trained on the sample; a warning if the data supported far fewer pieces."""
-    log.info("training a %s SentencePiece vocabulary of %d on %d sampled pairs", d.spm_model_type,
-             d.vocab_size, len(sample[0]))  # fmt: skip
+    kind = "word" if d.pretokenized else d.spm_model_type  # SentencePiece's word model: whitespace-split tokens
+    log.info("training a %s SentencePiece vocabulary of %d on %d sampled pairs", kind, d.vocab_size,
+             len(sample[0]))  # fmt: skip
     source = " and ".join(str(path) for group in files for path in group)
-    tokenizer = train_tokenizer(*sample, d.vocab_size, d.shared_vocab, d.spm_model_type, source)
+    tokenizer = train_tokenizer(*sample, d.vocab_size, d.shared_vocab, kind, source)
     built = min(tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
     if built < VOCAB_SHORTFALL * d.vocab_size:
         log.warning(
