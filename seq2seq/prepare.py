@@ -65,8 +65,12 @@ SHARD_LINES = 1_000_000
 CHUNK_LINES = 20_000  # lines one worker encodes at a time
 POOL_MIN_LINES = 100_000  # smaller corpora are encoded in this process: starting workers would cost more
 SETTINGS = ("train", "src_lang", "tgt_lang", "vocab_size", "shared_vocab", "spm_model_type", "spm_sample", "max_len")
-# Settings added later, with the value a manifest that lacks them was prepared with.
-LATER_SETTINGS = {"format": "text", "src_field": "src", "tgt_field": "tgt", "pretokenized": False}
+# Settings added later, with the value a manifest that lacks them was prepared with. The given
+# SentencePiece models' paths are here, their content is the tokenizer's hash.
+LATER_SETTINGS: dict[str, Any] = {
+    "format": "text", "src_field": "src", "tgt_field": "tgt", "pretokenized": False,
+    "spm_model": "", "spm_model_src": "", "spm_model_tgt": "",
+}  # fmt: skip
 VOCAB_SHORTFALL = 0.9  # fewer pieces than this share of data.vocab_size: the request was above what the data supports
 
 

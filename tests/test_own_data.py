@@ -19,7 +19,7 @@ from seq2seq.cli import main
 from seq2seq.config import TrainConfig, load_config, to_dict
 from seq2seq.data import read_split
 from seq2seq.errors import DataError
-from seq2seq.prepare import PreparedCorpus, prepare
+from seq2seq.prepare import PreparedCorpus, prepare, stale_reason
 from seq2seq.training.budget import plan_warnings, planned_updates
 from seq2seq.vocab import UNK
 
@@ -152,6 +152,8 @@ def test_an_existing_sentencepiece_model_is_used_instead_of_training_one(
     assert (run / "spm.model").read_bytes() == given == (run / "prepared" / "spm.model").read_bytes()
     err = capsys.readouterr().err
     assert "30 pieces (its size, not data.vocab_size=8000)" in err and "SentencePiece built" not in err
+    d = load_config(TINY, tiny_overrides(corpus, run, "data.vocab_size=8000")).data
+    assert stale_reason(run / "prepared", d, None) == "data.spm_model changed"  # training one instead: rebuilt
     src, tgt = tmp_path / "src.model", tmp_path / "tgt.model"
     per_side = (spm_model(src, 24, **SEQ2SEQ_IDS), spm_model(tgt, 28, **SEQ2SEQ_IDS))
     sides = ("data.shared_vocab=false", "model.share_all_embeddings=false")
