@@ -1,4 +1,4 @@
-"""The `seq2seq` command: download, prepare, train, translate, evaluate, average, export, serve.
+"""The `seq2seq` command: download, prepare, train, translate, evaluate, average, export, serve, config.
 
 Each subcommand turns its arguments into options and calls one function of
 the application layer (seq2seq.app) or the library. Known problems (bad
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from seq2seq import interrupt
-from seq2seq.config import load_config
+from seq2seq.config import config_yaml, load_config
 from seq2seq.errors import ConfigError, UsageError, UserError
 from seq2seq.serve import options as serve_options
 
@@ -75,6 +75,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=0, help="encoding processes (default: one per CPU)")
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     p.set_defaults(run=_prepare)
+
+    p = sub.add_parser("config", help="print a config as it resolves: YAML with every default filled in")
+    p.add_argument("--config", help="YAML experiment file (default: the defaults alone)")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
+    p.set_defaults(run=_config)
 
     p = sub.add_parser("translate", help="translate a file or stdin with a checkpoint")
     _add_model_args(p)
@@ -242,6 +247,11 @@ def _prepare(args: argparse.Namespace) -> int:
     from seq2seq.app.runs import prepare_data
 
     prepare_data(load_config(args.config, args.overrides), args.workers)
+    return 0
+
+
+def _config(args: argparse.Namespace) -> int:
+    print(config_yaml(load_config(args.config, args.overrides)), end="")
     return 0
 
 

@@ -45,7 +45,8 @@ T = TypeVar("T")
 class DataConfig:
     """Where the parallel text lives and how it is tokenized.
 
-    Files are `{dir}/{split}.{lang}`, plain or gzipped (`.gz` is tried too).
+    Files are `{dir}/{split}.{lang}` (format text), or one `{dir}/{split}.tsv` / `{split}.jsonl` a split;
+    plain or gzipped (`.gz` is tried too).
     """
 
     dir: str = "data/multi30k"
@@ -65,6 +66,15 @@ class DataConfig:
     sampling_nbest: int = 64  # -1: all segmentations
     spm_sample: int = 1_000_000  # sentences SentencePiece trains on at most (a uniform sample of the training text)
     prepared_dir: str = ""  # where `seq2seq prepare` writes the training data; "": {train.run_dir}/prepared
+    format: Literal["text", "tsv", "jsonl"] = "text"  # tsv: source<TAB>target a line; jsonl: an object a line
+    src_field: str = "src"  # format jsonl: the fields holding the two sides
+    tgt_field: str = "tgt"
+    # An existing SentencePiece model instead of training one (its size wins over vocab_size); without a
+    # shared vocabulary, spm_model_src and spm_model_tgt instead.
+    spm_model: str = ""
+    spm_model_src: str = ""
+    spm_model_tgt: str = ""
+    pretokenized: bool = False  # the text's whitespace-split tokens are the pieces: a word vocabulary (no subwords)
 
     def __post_init__(self) -> None:
         _require(self.vocab_size >= 8, "data.vocab_size", "must be at least 8")
@@ -79,12 +89,33 @@ class DataConfig:
         _require_at_most(self.sampling_nbest, MAX_BEAM, "data.sampling_nbest")
         _require(self.spm_sample >= 2, "data.spm_sample", "must be at least 2")
         _require(self.src_lang != self.tgt_lang, "data.tgt_lang", "must differ from data.src_lang")
-        for key in ("dir", "src_lang", "tgt_lang", "valid", "test"):
+        for key in ("dir", "src_lang", "tgt_lang", "valid", "test", "src_field", "tgt_field"):
             _require_text(getattr(self, key), f"data.{key}")
+        self._check_spm_models()
+        if self.pretokenized:
+            _require(not self.given_spm_models(), "data.pretokenized", "builds a vocabulary: not with data.spm_model")
+            _require(self.sampling_alpha == 0, "data.sampling_alpha", "samples subwords: not with data.pretokenized")
+            _require(self.spm_model_type == "unigram", "data.spm_model_type", "does not apply to data.pretokenized")
         _require(len(self.train) > 0, "data.train", "must name at least one training set")
         for name, weight in self.train_sets():
             _require_text(name, "data.train")
             _require(0 < weight < 1e6, "data.train", f"weight of {name} must be a positive number; got {weight}")
+
+    def _check_spm_models(self) -> None:
+        """One given model for a shared vocabulary, one per side otherwise: a model left unused is an error."""
+        per_side = bool(self.spm_model_src), bool(self.spm_model_tgt)
+        if self.shared_vocab:
+            _require(not any(per_side), "data.spm_model_src", "needs data.shared_vocab: false (else: data.spm_model)")
+        else:
+            both = "is one model for both sides: needs data.shared_vocab: true (else: spm_model_src, spm_model_tgt)"
+            _require(not self.spm_model, "data.spm_model", both)
+            _require(all(per_side) or not any(per_side), "data.spm_model_src", "and data.spm_model_tgt go together")
+
+    def given_spm_models(self) -> tuple[str, ...]:
+        """The SentencePiece model file(s) to use instead of training: (shared,), (source, target) or ()."""
+        if self.spm_model:
+            return (self.spm_model,)
+        return (self.spm_model_src, self.spm_model_tgt) if self.spm_model_src else ()
 
     def train_sets(self) -> list[tuple[str, float]]:
         """(split name, upsampling weight) of each training set; `name:2` counts each pair twice an epoch."""
@@ -249,7 +280,12 @@ class TrainConfig:
         _require_seed(self.seed, "train.seed")
         _require(self.max_tokens >= 16, "train.max_tokens", "must be at least 16")
         _require(self.update_freq >= 1, "train.update_freq", "must be at least 1")
-        _require(self.max_epochs >= 1, "train.max_epochs", "must be at least 1")
+        _require(self.max_epochs >= 0, "train.max_epochs", "must be >= 0")
+        _require(
+            bool(self.max_epochs or self.max_steps or self.max_minutes or self.patience),
+            "train.max_epochs",
+            "0 (no epoch limit) needs train.max_steps, train.max_minutes or train.patience to end the run",
+        )
         _require(self.max_steps >= 0, "train.max_steps", "must be >= 0")
         _require(self.max_minutes >= 0, "train.max_minutes", "must be >= 0")
         _require(self.lr > 0, "train.lr", "must be positive")
@@ -688,5 +724,10 @@ def replace_checked(section: T, changes: Mapping[str, Any], source: str, prefix:
     return typing.cast(T, _build(type(section), {**to_dict(section), **changes}, source, prefix))
 
 
+def config_yaml(cfg: ExperimentConfig) -> str:
+    """The config as YAML, every default filled in: what `seq2seq config` prints and a run's config.yaml holds."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
 def save_config(cfg: ExperimentConfig, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
+    Path(path).write_text(config_yaml(cfg), encoding="utf-8")

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import gzip
 import itertools
+import json
 import logging
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import zip_longest
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from seq2seq import interrupt
+from seq2seq.config import DataConfig
 from seq2seq.errors import DataError
 from seq2seq.tokenizer import Sampling, Tokenizer
 from seq2seq.vocab import BOS, EOS, PAD
@@ -41,10 +44,15 @@ def read_lines(path: str | Path) -> list[str]:
     if not path.is_file():
         what = "not a regular file" if path.exists() else "missing data file"  # /dev/zero would never end
         raise DataError(f"{what}: {path}")
+    return list(raw_lines(path))
+
+
+def raw_lines(path: Path) -> Iterator[str]:
+    """The decoded lines of a plain or gzipped file, streamed; errors name the file (and line)."""
     opener = gzip.open if path.suffix == ".gz" else open
     try:
         with opener(path, "rb") as f:
-            return list(decode_lines(f, str(path)))
+            yield from decode_lines(f, str(path))
     except (OSError, EOFError) as e:  # e.g. a truncated or fake .gz
         raise DataError(f"{path}: cannot read ({e})") from None
 
@@ -88,7 +96,7 @@ def read_parallel(directory: str | Path, split: str, src_lang: str, tgt_lang: st
     if len(src) != len(tgt):
         raise misaligned(src_path, len(src), tgt_path, len(tgt))
     if not any(s.strip() and t.strip() for s, t in zip(src, tgt)):
-        raise no_pairs(src_path, tgt_path, blank=not any(line.strip() for line in src + tgt))
+        raise no_pairs((src_path, tgt_path), blank=not any(line.strip() for line in src + tgt))
     return src, tgt
 
 
@@ -96,9 +104,86 @@ def misaligned(src_path: Path, src_lines: int, tgt_path: Path, tgt_lines: int) -
     return DataError(f"misaligned corpus: {src_path} has {src_lines} lines but {tgt_path} has {tgt_lines}")
 
 
-def no_pairs(src_path: Path, tgt_path: Path, blank: bool) -> DataError:
-    what = "have no non-empty lines" if blank else "have no line pair with text on both sides"
-    return DataError(f"no sentence pairs: {src_path} and {tgt_path} {what}")
+def no_pairs(files: Sequence[Path], blank: bool) -> DataError:
+    what = "no non-empty lines" if blank else "no line pair with text on both sides"
+    names = " and ".join(str(path) for path in files)
+    return DataError(f"no sentence pairs: {names} {'have' if len(files) > 1 else 'has'} {what}")
+
+
+# A split in data.format: `{split}.{src_lang}` + `{split}.{tgt_lang}` (text), or one `{split}.tsv` / `{split}.jsonl`.
+
+
+def split_files(d: DataConfig, split: str) -> tuple[Path, ...]:
+    """The file(s) holding one split: the two sides' for text, the one file of pairs for tsv and jsonl."""
+    if d.format == "text":
+        return find_file(d.dir, split, d.src_lang), find_file(d.dir, split, d.tgt_lang)
+    return (find_file(d.dir, split, d.format),)
+
+
+def split_pairs(d: DataConfig, files: tuple[Path, ...]) -> Iterator[tuple[str, str]]:
+    """The (source, target) lines of a split's file(s), streamed; a bad line is one error naming FILE:LINE."""
+    if len(files) == 2:
+        yield from aligned_lines(*files)
+        return
+    for number, line in enumerate(raw_lines(files[0]), 1):
+        yield parse_pair(d, line, f"{files[0]}:{number}")
+
+
+def aligned_lines(src_path: Path, tgt_path: Path) -> Iterator[tuple[str, str]]:
+    """The lines of two files side by side; misaligned if one ends first (the other's rest counted)."""
+    src_lines, tgt_lines = raw_lines(src_path), raw_lines(tgt_path)
+    for n, (s, t) in enumerate(zip_longest(src_lines, tgt_lines)):
+        if s is None or t is None:
+            rest = 1 + sum(1 for _ in (tgt_lines if s is None else src_lines))
+            counts = (n, n + rest) if s is None else (n + rest, n)
+            raise misaligned(src_path, counts[0], tgt_path, counts[1])
+        yield s, t
+
+
+def parse_pair(d: DataConfig, line: str, where: str) -> tuple[str, str]:
+    """One line of a tsv (`source<TAB>target`) or jsonl (an object with the two fields) file."""
+    if d.format == "tsv":
+        tabs = line.count("\t")
+        if tabs != 1:
+            found = "no tab" if tabs == 0 else f"{tabs} tabs"
+            raise DataError(f"{where}: {found}; each line must be source<TAB>target")
+        src, tgt = line.split("\t")
+        return src, tgt
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: a JSON object with {d.src_field!r} and {d.tgt_field!r} expected")
+    return _text_field(record, d.src_field, where), _text_field(record, d.tgt_field, where)
+
+
+def _text_field(record: dict[str, object], key: str, where: str) -> str:
+    value = record.get(key)
+    if key not in record:
+        raise DataError(f"{where}: no {key!r} field (data.src_field / data.tgt_field name the fields)")
+    if not isinstance(value, str):
+        raise DataError(f"{where}: field {key!r} is {type(value).__name__}, not a string")
+    try:
+        value.encode("utf-8")  # JSON's \ud800 escapes decode to text that cannot be written back
+    except UnicodeEncodeError:
+        raise DataError(f"{where}: field {key!r} holds invalid UTF-8 (a lone surrogate escape)") from None
+    return value
+
+
+def read_split(d: DataConfig, split: str) -> tuple[list[str], list[str]]:
+    """The source and target lines of one split in data.format, checked to hold at least one pair."""
+    if d.format == "text":
+        return read_parallel(d.dir, split, d.src_lang, d.tgt_lang)
+    files = split_files(d, split)
+    src: list[str] = []
+    tgt: list[str] = []
+    for s, t in split_pairs(d, files):
+        src.append(s)
+        tgt.append(t)
+    if not any(s.strip() and t.strip() for s, t in zip(src, tgt)):
+        raise no_pairs(files, blank=not any(line.strip() for line in src + tgt))
+    return src, tgt
 
 
 @dataclass

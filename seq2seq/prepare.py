@@ -27,7 +27,6 @@ Memory stays constant in the corpus size, except for the SentencePiece sample
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import logging
@@ -39,7 +38,6 @@ import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
-from itertools import zip_longest
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -47,10 +45,10 @@ import numpy as np
 
 from seq2seq import interrupt
 from seq2seq.config import DataConfig
-from seq2seq.data import decode_lines, find_file, misaligned, no_pairs
+from seq2seq.data import no_pairs, split_files, split_pairs
 from seq2seq.errors import ConfigError, DataError
 from seq2seq.owned import check_replaceable, is_regular_file, make_temporary, remove_temporary, replace_directory
-from seq2seq.tokenizer import Tokenizer, train_tokenizer
+from seq2seq.tokenizer import Tokenizer, read_tokenizer, train_tokenizer
 from seq2seq.vocab import EOS
 
 log = logging.getLogger("seq2seq.prepare")
@@ -67,6 +65,13 @@ SHARD_LINES = 1_000_000
 CHUNK_LINES = 20_000  # lines one worker encodes at a time
 POOL_MIN_LINES = 100_000  # smaller corpora are encoded in this process: starting workers would cost more
 SETTINGS = ("train", "src_lang", "tgt_lang", "vocab_size", "shared_vocab", "spm_model_type", "spm_sample", "max_len")
+# Settings added later, with the value a manifest that lacks them was prepared with. The given
+# SentencePiece models' paths are here, their content is the tokenizer's hash.
+LATER_SETTINGS: dict[str, Any] = {
+    "format": "text", "src_field": "src", "tgt_field": "tgt", "pretokenized": False,
+    "spm_model": "", "spm_model_src": "", "spm_model_tgt": "",
+}  # fmt: skip
+VOCAB_SHORTFALL = 0.9  # fewer pieces than this share of data.vocab_size: the request was above what the data supports
 
 
 def tokenizer_hash(tokenizer: Tokenizer) -> str:
@@ -147,8 +152,9 @@ def stale_reason(directory: Path, d: DataConfig, tokenizer: Tokenizer | None) ->
     problem = manifest_problem(manifest)
     if problem:
         return f"its {MANIFEST} is damaged ({problem})"
-    old, new = manifest["settings"], settings(d)
-    changed = [f"data.{key} {old.get(key)!r} -> {new[key]!r}" for key in SETTINGS if old.get(key) != new[key]]
+    old, new = {**LATER_SETTINGS, **manifest["settings"]}, settings(d)
+    keys = (*SETTINGS, *LATER_SETTINGS)
+    changed = [f"data.{key} {old.get(key)!r} -> {new[key]!r}" for key in keys if old.get(key) != new[key]]
     if changed:
         return "changed: " + ", ".join(changed)
     if manifest["sources"] != [describe_source(path) for pair in training_files(d) for path in pair]:
@@ -158,21 +164,22 @@ def stale_reason(directory: Path, d: DataConfig, tokenizer: Tokenizer | None) ->
     return ""
 
 
-def training_files(d: DataConfig) -> list[tuple[Path, Path]]:
-    """(source, target) file of each training set."""
-    return [(find_file(d.dir, name, d.src_lang), find_file(d.dir, name, d.tgt_lang)) for name, _ in d.train_sets()]
+def training_files(d: DataConfig) -> list[tuple[Path, ...]]:
+    """The file(s) of each training set: (source, target), or the one file of pairs (data.format)."""
+    return [split_files(d, name) for name, _ in d.train_sets()]
 
 
 def settings(d: DataConfig) -> dict[str, Any]:
     """What the prepared data depends on; the upsampling weights are applied when batching, so not them."""
     names = [name for name, _ in d.train_sets()]
-    return {key: names if key == "train" else getattr(d, key) for key in SETTINGS}
+    return {key: names if key == "train" else getattr(d, key) for key in (*SETTINGS, *LATER_SETTINGS)}
 
 
 def ensure_prepared(d: DataConfig, directory: Path, tokenizer: Tokenizer | None = None, workers: int = 0) -> None:
     """Prepare `directory` unless it already holds this data (with this tokenizer, when one is given);
     data it reuses is checked against its manifest first."""
     directory = _check_location(d, directory)
+    tokenizer = tokenizer or given_tokenizer(d)
     reason = stale_reason(directory, d, tokenizer)
     if reason:
         level = logging.DEBUG if reason == NOT_PREPARED else logging.INFO  # a rebuild says why
@@ -229,13 +236,9 @@ def _build(
     files = training_files(d)
     sources = [describe_source(path) for pair in files for path in pair]
     where = ", ".join(f"{d.dir}/{name}" for name, _ in d.train_sets())
-    split = split_text(files, out, shard_lines, d.spm_sample // (2 if d.shared_vocab else 1))
+    split = split_text(d, files, out, shard_lines, d.spm_sample // (2 if d.shared_vocab else 1))
     log.info("preparing %d lines of %s into %s", split.lines, where, out.with_name(out.name.rpartition(".tmp")[0]))
-    if tokenizer is None:
-        log.info("training a %s SentencePiece vocabulary of %d on %d sampled pairs", d.spm_model_type,
-                 d.vocab_size, len(split.sample[0]))  # fmt: skip
-        source = " and ".join(str(path) for pair in files for path in pair)
-        tokenizer = train_tokenizer(*split.sample, d.vocab_size, d.shared_vocab, d.spm_model_type, source)
+    tokenizer = tokenizer or given_tokenizer(d) or _train(d, files, split.sample)
     tokenizer.save(out)
     pool = max(1, workers or os.cpu_count() or 1) if split.lines >= pool_min_lines else 1
     shards, dropped = encode_shards(out, split.shard_lines, tokenizer, d.max_len, pool)
@@ -258,6 +261,35 @@ def _build(
     }
 
 
+def given_tokenizer(d: DataConfig) -> Tokenizer | None:
+    """The SentencePiece model(s) data.spm_model (or _src, _tgt) names, or None to train one."""
+    paths = d.given_spm_models()
+    if not paths:
+        return None
+    tokenizer = read_tokenizer(paths)
+    sizes = sorted({tokenizer.src_vocab_size, tokenizer.tgt_vocab_size})
+    log.info("using the SentencePiece model %s: %s pieces (its size, not data.vocab_size=%d)",
+             " and ".join(paths), " and ".join(map(str, sizes)), d.vocab_size)  # fmt: skip
+    return tokenizer
+
+
+def _train(d: DataConfig, files: list[tuple[Path, ...]], sample: tuple[list[str], list[str]]) -> Tokenizer:
+    """A SentencePiece vocabulary trained on the sample; a warning if the data supported far fewer pieces."""
+    kind = "word" if d.pretokenized else d.spm_model_type  # SentencePiece's word model: whitespace-split tokens
+    log.info("training a %s SentencePiece vocabulary of %d on %d sampled pairs", kind, d.vocab_size,
+             len(sample[0]))  # fmt: skip
+    source = " and ".join(str(path) for group in files for path in group)
+    tokenizer = train_tokenizer(*sample, d.vocab_size, d.shared_vocab, kind, source)
+    built = min(tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
+    if built < VOCAB_SHORTFALL * d.vocab_size:
+        log.warning(
+            "data.vocab_size asked for %d pieces, but SentencePiece built %d: the training text supports no more",
+            d.vocab_size,
+            built,
+        )
+    return tokenizer
+
+
 def id_dtype(tokenizer: Tokenizer) -> np.dtype[Any]:
     largest = max(tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
     return np.dtype(np.uint16 if largest <= 1 << 16 else np.uint32)
@@ -274,29 +306,16 @@ class SplitText:
     sample: tuple[list[str], list[str]]
 
 
-def raw_lines(path: Path) -> Iterator[str]:
-    """The decoded lines of a plain or gzipped file, streamed; errors name the file (and line)."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    try:
-        with opener(path, "rb") as f:
-            yield from decode_lines(f, str(path))
-    except (OSError, EOFError) as e:  # e.g. a truncated or fake .gz
-        raise DataError(f"{path}: cannot read ({e})") from None
-
-
-def split_text(files: list[tuple[Path, Path]], out: Path, shard_lines: int, sample_size: int) -> SplitText:
-    """Copy the aligned lines of each training set into text shards, checking them; sample pairs uniformly."""
+def split_text(
+    d: DataConfig, files: list[tuple[Path, ...]], out: Path, shard_lines: int, sample_size: int
+) -> SplitText:
+    """Copy the pairs of each training set into text shards, checking them; sample pairs uniformly."""
     split = SplitText(0, [], [], ([], []))
     rng = random.Random(0)
-    for number, (src_path, tgt_path) in enumerate(files):
+    for number, group in enumerate(files):
         writer: _TextShard | None = None
         with_text = any_line = False
-        src_lines, tgt_lines = raw_lines(src_path), raw_lines(tgt_path)
-        for n, (s, t) in enumerate(zip_longest(src_lines, tgt_lines)):
-            if s is None or t is None:  # one file ended: count the rest of the other for the message
-                rest = 1 + sum(1 for _ in (tgt_lines if s is None else src_lines))
-                counts = (n, n + rest) if s is None else (n + rest, n)
-                raise misaligned(src_path, counts[0], tgt_path, counts[1])
+        for s, t in split_pairs(d, group):
             writer = writer or _TextShard(out, len(split.shard_lines))
             writer.add(s, t)
             with_text = with_text or bool(s.strip() and t.strip())
@@ -311,7 +330,7 @@ def split_text(files: list[tuple[Path, Path]], out: Path, shard_lines: int, samp
             split.shard_lines.append(writer.close())
             split.shard_sets.append(number)
         if not with_text:
-            raise no_pairs(src_path, tgt_path, blank=not any_line)
+            raise no_pairs(group, blank=not any_line)
     return split
 
 

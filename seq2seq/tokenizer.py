@@ -87,6 +87,30 @@ class Tokenizer:
             (run_dir / "spm.tgt.model").write_bytes(self.tgt_proto)
 
 
+def read_tokenizer(paths: Sequence[str | Path]) -> Tokenizer:
+    """An existing SentencePiece model (one path) or one per side (two), checked to use this project's special ids."""
+    protos = []
+    for path in paths:
+        if not Path(path).is_file():  # not /dev/zero, not a directory
+            raise UserError(f"{path}: SentencePiece model not found (or not a regular file)")
+        try:
+            proto = Path(path).read_bytes()
+            processor = _load(proto)
+        except OSError as e:
+            raise UserError(f"{path}: cannot read the SentencePiece model ({e.strerror})") from None
+        except RuntimeError:
+            raise UserError(f"{path}: not a SentencePiece model") from None
+        found = (processor.pad_id(), processor.unk_id(), processor.bos_id(), processor.eos_id())
+        if found != (PAD, UNK, BOS, EOS):
+            raise UserError(
+                f"{path}: its special ids are pad={found[0]} unk={found[1]} bos={found[2]} eos={found[3]}; seq2seq "
+                f"needs pad={PAD} unk={UNK} bos={BOS} eos={EOS} (spm_train --pad_id={PAD} --unk_id={UNK} "
+                f"--bos_id={BOS} --eos_id={EOS})"
+            )
+        protos.append(proto)
+    return Tokenizer(*protos)
+
+
 def train_tokenizer(
     src_lines: Sequence[str],
     tgt_lines: Sequence[str],

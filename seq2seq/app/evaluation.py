@@ -103,14 +103,23 @@ def _hypotheses_eval_set(options: EvaluateOptions) -> tuple[EvalSet, list[str]]:
 def eval_set(data: DataConfig, src: str | None = None, ref: str | None = None, tok_ref: str | None = None) -> EvalSet:
     """The source and reference files given, or else the config's test split; the tokenized reference given,
     or else (unless another reference is given) the test split's, when the dataset has one."""
-    from seq2seq.data import find_file
-
-    src_path = src or find_file(data.dir, data.test, data.src_lang)
-    ref_path = ref or find_file(data.dir, data.test, data.tgt_lang)
     tokenized = Path(tok_ref) if tok_ref else None
     if tokenized is None and ref is None:
         tokenized = default_tok_ref(data)
-    return EvalSet(read_lines(src_path), read_lines(ref_path), data.tgt_lang, tokenized)
+    sources, references = test_sides(data, src, ref)
+    return EvalSet(sources, references, data.tgt_lang, tokenized)
+
+
+def test_sides(data: DataConfig, src: str | None, ref: str | None) -> tuple[list[str], list[str]]:
+    """The lines of the given source and reference files, the test split's (in data.format) for those not given."""
+    from seq2seq.data import find_file, read_split
+
+    if data.format != "text" and (src is None or ref is None):
+        split_src, split_ref = read_split(data, data.test)
+        return read_lines(src) if src else split_src, read_lines(ref) if ref else split_ref
+    src_path = src or find_file(data.dir, data.test, data.src_lang)
+    ref_path = ref or find_file(data.dir, data.test, data.tgt_lang)
+    return read_lines(src_path), read_lines(ref_path)
 
 
 def default_tok_ref(data: DataConfig) -> Path | None:

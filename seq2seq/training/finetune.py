@@ -27,7 +27,15 @@ log = logging.getLogger("seq2seq.train")
 # The weights do not depend on these: a fine-tuning run may change them.
 FREE_MODEL_KEYS = ("model.dropout", "model.transformer.attention_dropout", "model.transformer.activation_dropout")
 # The parent's tokenizer was trained with these: a different value would ask for another vocabulary.
-VOCABULARY_KEYS = ("data.vocab_size", "data.shared_vocab", "data.spm_model_type")
+VOCABULARY_KEYS = (
+    "data.vocab_size",
+    "data.shared_vocab",
+    "data.spm_model_type",
+    "data.spm_model",
+    "data.spm_model_src",
+    "data.spm_model_tgt",
+    "data.pretokenized",
+)
 
 
 def parent_path(init_from: str) -> Path:

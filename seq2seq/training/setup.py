@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from seq2seq.checkpoint import Checkpoint, Progress
 from seq2seq.config import ExperimentConfig, TrainConfig, to_dict
-from seq2seq.data import encode_corpus, read_parallel
+from seq2seq.data import encode_corpus, read_split
 from seq2seq.device import resolve_device, resolve_precision
 from seq2seq.errors import TrainingError
 from seq2seq.model import Seq2SeqModel, build_model
@@ -75,7 +75,7 @@ def build_validator(
 ) -> Validator:
     """Validation on the valid split, encoded up to the model's length with the best segmentation."""
     d, t = cfg.data, cfg.train
-    text = read_parallel(d.dir, d.valid, d.src_lang, d.tgt_lang)
+    text = read_split(d, d.valid)
     corpus = encode_corpus(tokenizer, *text, cfg.model.max_positions - 1, f"{d.dir}/{d.valid}")
     log.info("data: %d validation pairs", len(corpus))
     return Validator(

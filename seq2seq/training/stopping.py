@@ -13,7 +13,7 @@ log = logging.getLogger("seq2seq.train")
 
 @dataclass(frozen=True)
 class StopPolicy:
-    max_epochs: int
+    max_epochs: int  # 0: no limit
     max_steps: int = 0  # 0: no limit
     max_minutes: float = 0.0  # 0: no limit
     patience: int = 0  # validations without improvement; 0: never stop early
@@ -36,7 +36,7 @@ class StopPolicy:
             return "max_minutes"
         if self.patience and progress.bad_validations >= self.patience:
             return "patience"
-        if progress.epoch > self.max_epochs:
+        if self.max_epochs and progress.epoch > self.max_epochs:  # 0: no epoch limit
             return "max_epochs"
         return ""
 

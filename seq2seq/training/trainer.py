@@ -35,6 +35,7 @@ from seq2seq.run_dir import RunDirectory
 from seq2seq.tokenizer import Tokenizer
 from seq2seq.training import distributed as dist
 from seq2seq.training import finetune, monitor
+from seq2seq.training.budget import plan_warnings
 from seq2seq.training.optim import lr_schedule
 from seq2seq.training.setup import (
     build_training_model,
@@ -87,8 +88,11 @@ class Trainer:
         ddp = wrap_ddp(self.model, self.device)
         self.update = UpdateStep.from_config(cfg.train, self.model, optimizer, scaler, self.device, precision, ddp)
         self.policy = StopPolicy.from_config(cfg.train)
-        self.lr = lr_schedule(cfg, math.ceil(len(self.epochs.batches(1)) / cfg.train.update_freq))
+        per_epoch = math.ceil(len(self.epochs.batches(1)) / cfg.train.update_freq)
+        self.lr = lr_schedule(cfg, per_epoch)
         if self.main:
+            for warning in plan_warnings(cfg.train, len(corpus), per_epoch):
+                log.warning(warning)
             save_config(cfg, self.run.config)
             self.tokenizer.save(self.run.path)
             self.writer = monitor.tensorboard(self.run.tensorboard, self.progress.step)
