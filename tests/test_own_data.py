@@ -153,7 +153,8 @@ def test_an_existing_sentencepiece_model_is_used_instead_of_training_one(
     err = capsys.readouterr().err
     assert "30 pieces (its size, not data.vocab_size=8000)" in err and "SentencePiece built" not in err
     d = load_config(TINY, tiny_overrides(corpus, run, "data.vocab_size=8000")).data
-    assert stale_reason(run / "prepared", d, None) == "data.spm_model changed"  # training one instead: rebuilt
+    expected = f"changed: data.spm_model {str(tmp_path / 'given.model')!r} -> ''"
+    assert stale_reason(run / "prepared", d, None) == expected  # training one instead: rebuilt
     src, tgt = tmp_path / "src.model", tmp_path / "tgt.model"
     per_side = (spm_model(src, 24, **SEQ2SEQ_IDS), spm_model(tgt, 28, **SEQ2SEQ_IDS))
     sides = ("data.shared_vocab=false", "model.share_all_embeddings=false")
