@@ -50,7 +50,7 @@ from seq2seq.config import DataConfig
 from seq2seq.data import decode_lines, find_file, misaligned, no_pairs
 from seq2seq.errors import ConfigError, DataError
 from seq2seq.owned import check_replaceable, is_regular_file, make_temporary, remove_temporary, replace_directory
-from seq2seq.tokenizer import Tokenizer, train_tokenizer
+from seq2seq.tokenizer import Tokenizer, tag_line, train_tokenizer
 from seq2seq.vocab import EOS
 
 log = logging.getLogger("seq2seq.prepare")
@@ -144,7 +144,7 @@ def stale_reason(directory: Path, d: DataConfig, tokenizer: Tokenizer | None) ->
     problem = manifest_problem(manifest)
     if problem:
         return f"its {MANIFEST} is damaged ({problem})"
-    changed = [key for key in SETTINGS if manifest["settings"].get(key) != settings(d)[key]]
+    changed = [key for key in (*SETTINGS, "pairs") if manifest["settings"].get(key) != settings(d).get(key)]
     if changed:
         return f"data.{changed[0]} changed"
     if manifest["sources"] != [describe_source(path) for pair in training_files(d) for path in pair]:
@@ -155,14 +155,26 @@ def stale_reason(directory: Path, d: DataConfig, tokenizer: Tokenizer | None) ->
 
 
 def training_files(d: DataConfig) -> list[tuple[Path, Path]]:
-    """(source, target) file of each training set."""
-    return [(find_file(d.dir, name, d.src_lang), find_file(d.dir, name, d.tgt_lang)) for name, _ in d.train_sets()]
+    """(source, target) file of each training set: with data.pairs, each set of each pair, pair by pair."""
+    return [(find_file(d.dir, name, src), find_file(d.dir, name, tgt)) for src, tgt, name, _ in training_sets(d)]
+
+
+def training_sets(d: DataConfig) -> list[tuple[str, str, str, float]]:
+    """(source language, target language, split name, weight) of each set the prepared data holds, in order."""
+    return [(src, tgt, name, weight) for src, tgt in d.language_pairs() for name, weight in d.train_sets()]
+
+
+def source_tags(d: DataConfig) -> list[str]:
+    """The target language whose tag each training set's source lines get ("": none, one pair)."""
+    return [tgt if d.pairs else "" for _, tgt, _, _ in training_sets(d)]
 
 
 def settings(d: DataConfig) -> dict[str, Any]:
-    """What the prepared data depends on; the upsampling weights are applied when batching, so not them."""
+    """What the prepared data depends on; the upsampling weights are applied when batching, so not them.
+    `pairs` only when set, so the data of one pair is described as before it existed."""
     names = [name for name, _ in d.train_sets()]
-    return {key: names if key == "train" else getattr(d, key) for key in SETTINGS}
+    out = {key: names if key == "train" else getattr(d, key) for key in SETTINGS}
+    return {**out, "pairs": list(d.pairs)} if d.pairs else out
 
 
 def ensure_prepared(d: DataConfig, directory: Path, tokenizer: Tokenizer | None = None, workers: int = 0) -> None:
@@ -224,13 +236,15 @@ def _build(
     files = training_files(d)
     sources = [describe_source(path) for pair in files for path in pair]
     where = ", ".join(f"{d.dir}/{name}" for name, _ in d.train_sets())
-    split = split_text(files, out, shard_lines, d.spm_sample // (2 if d.shared_vocab else 1))
+    split = split_text(files, out, shard_lines, d.spm_sample // (2 if d.shared_vocab else 1), source_tags(d))
     log.info("preparing %d lines of %s into %s", split.lines, where, out.with_name(out.name.rpartition(".tmp")[0]))
     if tokenizer is None:
         log.info("training a %s SentencePiece vocabulary of %d on %d sampled pairs", d.spm_model_type,
                  d.vocab_size, len(split.sample[0]))  # fmt: skip
         source = " and ".join(str(path) for pair in files for path in pair)
-        tokenizer = train_tokenizer(*split.sample, d.vocab_size, d.shared_vocab, d.spm_model_type, source)
+        tokenizer = train_tokenizer(
+            *split.sample, d.vocab_size, d.shared_vocab, d.spm_model_type, source, d.target_tags()
+        )
     tokenizer.save(out)
     pool = max(1, workers or os.cpu_count() or 1) if split.lines >= pool_min_lines else 1
     shards, dropped = encode_shards(out, split.shard_lines, tokenizer, d.max_len, pool)
@@ -279,14 +293,18 @@ def raw_lines(path: Path) -> Iterator[str]:
         raise DataError(f"{path}: cannot read ({e})") from None
 
 
-def split_text(files: list[tuple[Path, Path]], out: Path, shard_lines: int, sample_size: int) -> SplitText:
-    """Copy the aligned lines of each training set into text shards, checking them; sample pairs uniformly."""
+def split_text(
+    files: list[tuple[Path, Path]], out: Path, shard_lines: int, sample_size: int, tags: list[str] | None = None
+) -> SplitText:
+    """Copy the aligned lines of each training set into text shards, checking them; sample pairs uniformly.
+
+    `tags`: per set, the target language whose tag goes before its source lines ("": none)."""
     split = SplitText(0, [], [], ([], []))
     rng = random.Random(0)
     for number, (src_path, tgt_path) in enumerate(files):
         writer: _TextShard | None = None
         with_text = any_line = False
-        src_lines, tgt_lines = raw_lines(src_path), raw_lines(tgt_path)
+        src_lines, tgt_lines = _tagged(raw_lines(src_path), tags[number] if tags else ""), raw_lines(tgt_path)
         for n, (s, t) in enumerate(zip_longest(src_lines, tgt_lines)):
             if s is None or t is None:  # one file ended: count the rest of the other for the message
                 rest = 1 + sum(1 for _ in (tgt_lines if s is None else src_lines))
@@ -308,6 +326,11 @@ def split_text(files: list[tuple[Path, Path]], out: Path, shard_lines: int, samp
         if not with_text:
             raise no_pairs(src_path, tgt_path, blank=not any_line)
     return split
+
+
+def _tagged(lines: Iterator[str], lang: str) -> Iterator[str]:
+    """Source lines with the tag of `lang` before each; "": as they are."""
+    return (tag_line(line, lang) for line in lines) if lang else lines
 
 
 def _reservoir(sample: tuple[list[str], list[str]], size: int, seen: int, rng: random.Random, s: str, t: str) -> None:
