@@ -179,3 +179,14 @@ def test_one_pair_keeps_the_prepared_settings_of_before() -> None:
     assert "pairs" not in settings(DataConfig())
     assert settings(DataConfig(pairs=("de-en", "fr-en")))["pairs"] == ["de-en", "fr-en"]
     assert DataConfig().language_pairs() == [("de", "en")] and DataConfig().target_tags() == []
+
+
+def test_the_default_test_split_is_the_one_pair_into_the_target_language() -> None:
+    from seq2seq.app.evaluation import default_pair
+
+    two = DataConfig(pairs=("src-rev", "src-same"))
+    assert default_pair(two, "rev") == ("src", "rev") and default_pair(DataConfig(), "") == ("de", "en")
+    with pytest.raises(ConfigError, match="^2 pairs of de-en, fr-en translate into en: give --src and --ref"):
+        default_pair(DataConfig(pairs=("de-en", "fr-en")), "en")
+    with pytest.raises(ConfigError, match="^no pair of src-rev, src-same translate into fr"):
+        default_pair(two, "fr")

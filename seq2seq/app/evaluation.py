@@ -110,7 +110,9 @@ def eval_set(
     split's, when the dataset has one."""
     from seq2seq.data import find_file
 
-    src_lang, ref_lang = test_pair(data, tgt_lang) if not (src and ref) else (data.src_lang, tgt_lang)
+    tags = data.target_tags()
+    tgt_lang = tgt_lang or (tags[0] if len(tags) == 1 else "")  # a model of one target language needs no name
+    src_lang, ref_lang = default_pair(data, tgt_lang) if not (src and ref) else (data.src_lang, tgt_lang)
     src_path = src or find_file(data.dir, data.test, src_lang)
     ref_path = ref or find_file(data.dir, data.test, ref_lang)
     tokenized = Path(tok_ref) if tok_ref else None
@@ -119,7 +121,7 @@ def eval_set(
     return EvalSet(read_lines(src_path), read_lines(ref_path), ref_lang or data.tgt_lang, tokenized)
 
 
-def test_pair(data: DataConfig, tgt_lang: str) -> tuple[str, str]:
+def default_pair(data: DataConfig, tgt_lang: str) -> tuple[str, str]:
     """The languages of the default test split: data.src_lang-tgt_lang, or the one pair of data.pairs into
     `tgt_lang`."""
     if not data.pairs:
