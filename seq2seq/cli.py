@@ -96,6 +96,11 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="translate each stdin line as it arrives (the default when stdin is a terminal)",
     )
+    p.add_argument(
+        "--tgt-lang",
+        default="",
+        help="target language of every line, for a model of several (JSONL input: a line's tgt_lang wins)",
+    )
     _add_inspect_args(p)
     p.set_defaults(run=_translate)
 
@@ -104,6 +109,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hypotheses", help="score this file of translations instead of decoding")
     p.add_argument("--src", help="source file (default: the config's test split)")
     p.add_argument("--ref", help="reference file (default: the config's test split)")
+    p.add_argument(
+        "--tgt-lang",
+        default="",
+        help="target language, for a model of several pairs: one pair at a time "
+        "(default test split: the pair of data.pairs into it, when only one is)",
+    )
     p.add_argument("--lowercase", action="store_true", help="also report lower-cased BLEU")
     p.add_argument(
         "--tok-ref",
@@ -148,7 +159,7 @@ def _add_inspect_args(p: argparse.ArgumentParser) -> None:
         "--input-format",
         choices=["text", "jsonl"],
         default="text",
-        help='text: one sentence per line; jsonl: {"text": ..., "prefix": ...} per line',
+        help='text: one sentence per line; jsonl: {"text": ..., "prefix": ..., "tgt_lang": ...} per line',
     )
     g.add_argument("--prefix-file", help="target prefixes, one per input line, each forced at the start of its output")
     g = p.add_argument_group("attention")

@@ -75,6 +75,10 @@ class DataConfig:
     spm_model_src: str = ""
     spm_model_tgt: str = ""
     pretokenized: bool = False  # the text's whitespace-split tokens are the pieces: a word vocabulary (no subwords)
+    # Several language pairs in one model, each "SRC-TGT" (files {dir}/{split}.SRC and .TGT), with a
+    # target-language tag <2TGT> on every source sentence (Johnson et al., 2017); needs shared_vocab.
+    # (): the one pair src_lang-tgt_lang, without tags.
+    pairs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _require(self.vocab_size >= 8, "data.vocab_size", "must be at least 8")
@@ -100,6 +104,35 @@ class DataConfig:
         for name, weight in self.train_sets():
             _require_text(name, "data.train")
             _require(0 < weight < 1e6, "data.train", f"weight of {name} must be a positive number; got {weight}")
+        self._check_pairs()
+
+    def _check_pairs(self) -> None:
+        """Each pair two different languages, no pair twice, one vocabulary for all of them."""
+        for item in self.pairs:
+            src, sep, tgt = item.partition("-")
+            ok = bool(sep) and all(lang and lang.strip() == lang and "-" not in lang for lang in (src, tgt))
+            _require(ok, "data.pairs", f"item {item!r} must be SRC-TGT, e.g. de-en")
+            _require(src != tgt, "data.pairs", f"item {item!r} translates a language into itself")
+        _require(len(set(self.pairs)) == len(self.pairs), "data.pairs", "names a pair twice")
+        _require(
+            not self.pairs or self.shared_vocab,
+            "data.pairs",
+            "needs data.shared_vocab: true (one vocabulary for all languages, which holds the target tags)",
+        )
+        if self.pairs:  # the tags are pieces of the vocabulary trained here, and the pairs' files are per language
+            _require(self.format == "text", "data.pairs", "needs data.format: text ({split}.{lang} files)")
+            _require(not self.spm_model, "data.pairs", "trains its own vocabulary with the tags: drop data.spm_model")
+            _require(not self.pretokenized, "data.pairs", "does not go with data.pretokenized")
+
+    def language_pairs(self) -> list[tuple[str, str]]:
+        """(source, target) language of each pair: data.pairs, or the one pair src_lang-tgt_lang."""
+        if not self.pairs:
+            return [(self.src_lang, self.tgt_lang)]
+        return [(src, tgt) for src, _, tgt in (item.partition("-") for item in self.pairs)]
+
+    def target_tags(self) -> list[str]:
+        """The target languages that get a tag on the source ([] for the one pair of src_lang-tgt_lang)."""
+        return sorted({tgt for _, tgt in self.language_pairs()}) if self.pairs else []
 
     def _check_spm_models(self) -> None:
         """One given model for a shared vocabulary, one per side otherwise: a model left unused is an error."""

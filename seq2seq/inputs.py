@@ -1,4 +1,5 @@
-"""What `seq2seq translate` reads: plain lines, JSONL records with a target prefix, or lines with a prefix file.
+"""What `seq2seq translate` reads: plain lines, JSONL records (a target prefix, a target language), or lines
+with a prefix file.
 
 Every input line is one record and gives one output line, whatever its form.
 A record that cannot be read, or a prefix file whose lines do not match the
@@ -14,13 +15,14 @@ from pathlib import Path
 
 from seq2seq.errors import DataError
 
-FIELDS = ("text", "prefix")
+FIELDS = ("text", "prefix", "tgt_lang")
 
 
 @dataclass(frozen=True)
 class Record:
     text: str
     prefix: str = ""  # "": translate freely
+    tgt_lang: str = ""  # the target language, for a model of several ("": the command's --tgt-lang)
 
 
 def plain(lines: Iterable[str]) -> Iterator[Record]:
@@ -28,7 +30,8 @@ def plain(lines: Iterable[str]) -> Iterator[Record]:
 
 
 def jsonl(lines: Iterable[str], name: str) -> Iterator[Record]:
-    """Records from lines like {"text": "...", "prefix": "..."} ("prefix" optional; a blank line is an empty text)."""
+    """Records from lines like {"text": "...", "prefix": "...", "tgt_lang": "en"} ("prefix" and "tgt_lang"
+    optional; a blank line is an empty text)."""
     for number, line in enumerate(lines, start=1):
         yield parse_record(line, f"{name}:{number}")
 
@@ -47,14 +50,14 @@ def parse_record(line: str, where: str) -> Record:
     for key in raw:
         if key not in FIELDS:
             raise DataError(f"{where}: unknown field {key!r} (fields: {', '.join(FIELDS)})")
-    text, prefix = raw.get("text"), raw.get("prefix", "")
-    for field, value in (("text", text), ("prefix", prefix)):
+    text, prefix, lang = raw.get("text"), raw.get("prefix", ""), raw.get("tgt_lang", "")
+    for field, value in (("text", text), ("prefix", prefix), ("tgt_lang", lang)):
         if not isinstance(value, str):
             raise DataError(f'{where}: "{field}" must be a string')
         if "\n" in value or "\r" in value:
             raise DataError(f'{where}: "{field}" contains a line break; one sentence per line')
-    assert isinstance(text, str) and isinstance(prefix, str)
-    return Record(text, prefix)
+    assert isinstance(text, str) and isinstance(prefix, str) and isinstance(lang, str)
+    return Record(text, prefix, lang.strip())
 
 
 def with_prefixes(lines: Iterable[str], prefixes: Sequence[str], prefix_file: str, name: str) -> Iterator[Record]:

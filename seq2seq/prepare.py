@@ -45,10 +45,10 @@ import numpy as np
 
 from seq2seq import interrupt
 from seq2seq.config import DataConfig
-from seq2seq.data import no_pairs, split_files, split_pairs
+from seq2seq.data import find_file, no_pairs, split_files, split_pairs
 from seq2seq.errors import ConfigError, DataError
 from seq2seq.owned import check_replaceable, is_regular_file, make_temporary, remove_temporary, replace_directory
-from seq2seq.tokenizer import Tokenizer, read_tokenizer, train_tokenizer
+from seq2seq.tokenizer import Tokenizer, read_tokenizer, tag_line, train_tokenizer
 from seq2seq.vocab import EOS
 
 log = logging.getLogger("seq2seq.prepare")
@@ -153,8 +153,8 @@ def stale_reason(directory: Path, d: DataConfig, tokenizer: Tokenizer | None) ->
     if problem:
         return f"its {MANIFEST} is damaged ({problem})"
     old, new = {**LATER_SETTINGS, **manifest["settings"]}, settings(d)
-    keys = (*SETTINGS, *LATER_SETTINGS)
-    changed = [f"data.{key} {old.get(key)!r} -> {new[key]!r}" for key in keys if old.get(key) != new[key]]
+    keys = (*SETTINGS, *LATER_SETTINGS, "pairs")
+    changed = [f"data.{key} {old.get(key)!r} -> {new.get(key)!r}" for key in keys if old.get(key) != new.get(key)]
     if changed:
         return "changed: " + ", ".join(changed)
     if manifest["sources"] != [describe_source(path) for pair in training_files(d) for path in pair]:
@@ -165,14 +165,29 @@ def stale_reason(directory: Path, d: DataConfig, tokenizer: Tokenizer | None) ->
 
 
 def training_files(d: DataConfig) -> list[tuple[Path, ...]]:
-    """The file(s) of each training set: (source, target), or the one file of pairs (data.format)."""
-    return [split_files(d, name) for name, _ in d.train_sets()]
+    """The file(s) of each training set: (source, target), or the one file of pairs (data.format); with
+    data.pairs, each set of each pair, pair by pair."""
+    if not d.pairs:
+        return [split_files(d, name) for name, _ in d.train_sets()]
+    return [(find_file(d.dir, name, src), find_file(d.dir, name, tgt)) for src, tgt, name, _ in training_sets(d)]
+
+
+def training_sets(d: DataConfig) -> list[tuple[str, str, str, float]]:
+    """(source language, target language, split name, weight) of each set the prepared data holds, in order."""
+    return [(src, tgt, name, weight) for src, tgt in d.language_pairs() for name, weight in d.train_sets()]
+
+
+def source_tags(d: DataConfig) -> list[str]:
+    """The target language whose tag each training set's source lines get ("": none, one pair)."""
+    return [tgt if d.pairs else "" for _, tgt, _, _ in training_sets(d)]
 
 
 def settings(d: DataConfig) -> dict[str, Any]:
-    """What the prepared data depends on; the upsampling weights are applied when batching, so not them."""
+    """What the prepared data depends on; the upsampling weights are applied when batching, so not them.
+    `pairs` only when set, so the data of one pair is described as before it existed."""
     names = [name for name, _ in d.train_sets()]
-    return {key: names if key == "train" else getattr(d, key) for key in (*SETTINGS, *LATER_SETTINGS)}
+    out = {key: names if key == "train" else getattr(d, key) for key in (*SETTINGS, *LATER_SETTINGS)}
+    return {**out, "pairs": list(d.pairs)} if d.pairs else out
 
 
 def ensure_prepared(d: DataConfig, directory: Path, tokenizer: Tokenizer | None = None, workers: int = 0) -> None:
@@ -236,7 +251,7 @@ def _build(
     files = training_files(d)
     sources = [describe_source(path) for pair in files for path in pair]
     where = ", ".join(f"{d.dir}/{name}" for name, _ in d.train_sets())
-    split = split_text(d, files, out, shard_lines, d.spm_sample // (2 if d.shared_vocab else 1))
+    split = split_text(d, files, out, shard_lines, d.spm_sample // (2 if d.shared_vocab else 1), source_tags(d))
     log.info("preparing %d lines of %s into %s", split.lines, where, out.with_name(out.name.rpartition(".tmp")[0]))
     tokenizer = tokenizer or given_tokenizer(d) or _train(d, files, split.sample)
     tokenizer.save(out)
@@ -279,7 +294,7 @@ def _train(d: DataConfig, files: list[tuple[Path, ...]], sample: tuple[list[str]
     log.info("training a %s SentencePiece vocabulary of %d on %d sampled pairs", kind, d.vocab_size,
              len(sample[0]))  # fmt: skip
     source = " and ".join(str(path) for group in files for path in group)
-    tokenizer = train_tokenizer(*sample, d.vocab_size, d.shared_vocab, kind, source)
+    tokenizer = train_tokenizer(*sample, d.vocab_size, d.shared_vocab, kind, source, d.target_tags())
     built = min(tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
     if built < VOCAB_SHORTFALL * d.vocab_size:
         log.warning(
@@ -307,15 +322,17 @@ class SplitText:
 
 
 def split_text(
-    d: DataConfig, files: list[tuple[Path, ...]], out: Path, shard_lines: int, sample_size: int
+    d: DataConfig, files: list[tuple[Path, ...]], out: Path, shard_lines: int, sample_size: int, tags: list[str]
 ) -> SplitText:
-    """Copy the pairs of each training set into text shards, checking them; sample pairs uniformly."""
+    """Copy the pairs of each training set into text shards, checking them; sample pairs uniformly.
+
+    `tags`: per set, the target language whose tag goes before its source lines ("": none)."""
     split = SplitText(0, [], [], ([], []))
     rng = random.Random(0)
     for number, group in enumerate(files):
         writer: _TextShard | None = None
         with_text = any_line = False
-        for s, t in split_pairs(d, group):
+        for s, t in _tagged(split_pairs(d, group), tags[number]):
             writer = writer or _TextShard(out, len(split.shard_lines))
             writer.add(s, t)
             with_text = with_text or bool(s.strip() and t.strip())
@@ -332,6 +349,11 @@ def split_text(
         if not with_text:
             raise no_pairs(group, blank=not any_line)
     return split
+
+
+def _tagged(pairs: Iterator[tuple[str, str]], lang: str) -> Iterator[tuple[str, str]]:
+    """Pairs with the tag of `lang` before each source line; "": as they are."""
+    return ((tag_line(s, lang), t) for s, t in pairs) if lang else pairs
 
 
 def _reservoir(sample: tuple[list[str], list[str]], size: int, seen: int, rng: random.Random, s: str, t: str) -> None:

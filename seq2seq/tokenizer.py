@@ -1,12 +1,15 @@
 """SentencePiece subword tokenization with fixed special ids.
 
 The trained SentencePiece models travel inside every checkpoint as bytes, so a
-checkpoint alone is enough to translate.
+checkpoint alone is enough to translate. A model of several language pairs
+(data.pairs) has one user-defined piece per target language, `<2xx>`, put
+before each source sentence (`tag_line`), so its tags travel with it too.
 """
 
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +18,19 @@ import sentencepiece as spm
 
 from seq2seq.errors import UserError
 from seq2seq.vocab import BOS, EOS, PAD, UNK
+
+TAG = re.compile(r"<2(.+)>")
+
+
+def tag_piece(lang: str) -> str:
+    """The piece that asks for a translation into `lang`."""
+    return f"<2{lang}>"
+
+
+def tag_line(line: str, lang: str) -> str:
+    """The source line with the tag of target language `lang` before it, the one way a tag is added;
+    a blank line stays blank (an empty input, not a sentence)."""
+    return f"{tag_piece(lang)} {line}" if line.strip() else line
 
 
 @dataclass(frozen=True)
@@ -40,6 +56,7 @@ class Tokenizer:
         self.tgt_proto = tgt_proto
         self.src = _load(src_proto)
         self.tgt = self.src if tgt_proto is None else _load(tgt_proto)
+        self.target_langs = _target_langs(self.src)
 
     @property
     def shared(self) -> bool:
@@ -118,20 +135,24 @@ def train_tokenizer(
     shared: bool,
     model_type: str = "unigram",
     source: str = "the training text",
+    target_langs: Sequence[str] = (),
 ) -> Tokenizer:
     """Train one joint model, or one per side, on the training text.
 
-    `source` names that text (e.g. its files) in the error raised when it is empty.
+    `source` names that text (e.g. its files) in the error raised when it is empty;
+    `target_langs` get their tag pieces (a joint model only: data.pairs requires one).
     """
     if shared:
-        return Tokenizer(_train(list(src_lines) + list(tgt_lines), vocab_size, model_type, source))
+        tags = [tag_piece(lang) for lang in target_langs]
+        return Tokenizer(_train(list(src_lines) + list(tgt_lines), vocab_size, model_type, source, tags))
+    assert not target_langs, "tags need a joint model"
     return Tokenizer(
         _train(src_lines, vocab_size, model_type, f"the source side of {source}"),
         _train(tgt_lines, vocab_size, model_type, f"the target side of {source}"),
     )
 
 
-def _train(lines: Iterable[str], vocab_size: int, model_type: str, source: str) -> bytes:
+def _train(lines: Iterable[str], vocab_size: int, model_type: str, source: str, tags: Sequence[str] = ()) -> bytes:
     lines = [line for line in lines if line.strip()]
     if not lines:  # SentencePiece would only say `[!sentences_.empty()]`
         raise UserError(f"no text to train the SentencePiece vocabulary on: no non-empty line in {source}")
@@ -152,6 +173,7 @@ def _train(lines: Iterable[str], vocab_size: int, model_type: str, source: str) 
             num_threads=2,
             hard_vocab_limit=False,  # small corpora get a smaller vocabulary, not an error
             minloglevel=2,
+            user_defined_symbols=",".join(tags),
         )
     except RuntimeError as e:
         # SentencePiece refuses a vocabulary larger than the text supports; say so plainly.
@@ -167,6 +189,17 @@ def _encode(processor: spm.SentencePieceProcessor, lines: Sequence[str], samplin
     return processor.encode(
         list(lines), enable_sampling=True, alpha=sampling.alpha, nbest_size=sampling.nbest, num_threads=1
     )
+
+
+def _target_langs(processor: spm.SentencePieceProcessor) -> tuple[str, ...]:
+    """The languages of the tag pieces, which SentencePiece numbers right after the special ids."""
+    langs = []
+    for i in range(EOS + 1, processor.get_piece_size()):
+        match = TAG.fullmatch(processor.id_to_piece(i))
+        if match is None:
+            break
+        langs.append(match.group(1))
+    return tuple(langs)
 
 
 def _load(proto: bytes) -> spm.SentencePieceProcessor:

@@ -30,7 +30,7 @@ from seq2seq.ensemble import Ensemble
 from seq2seq.errors import DataError
 from seq2seq.model import Seq2SeqModel
 from seq2seq.search import Hypothesis, search
-from seq2seq.tokenizer import Tokenizer
+from seq2seq.tokenizer import Tokenizer, tag_line
 from seq2seq.vocab import EOS, PAD
 
 log = logging.getLogger(__name__)
@@ -96,9 +96,9 @@ class TextTranslator:
         translator.decode = replace_checked(self.decode, changes, "decode settings", "decode.")
         return translator
 
-    def translate(self, lines: Sequence[str], progress: Progress | None = None) -> list[str]:
-        """Best translation of each line."""
-        return [t.text for t in self.translate_full(lines, progress=progress)]
+    def translate(self, lines: Sequence[str], progress: Progress | None = None, tgt_lang: str = "") -> list[str]:
+        """Best translation of each line (into `tgt_lang`, for a model of several target languages)."""
+        return [t.text for t in self.translate_full(lines, progress=progress, tgt_langs=[tgt_lang] * len(lines))]
 
     def translate_full(
         self,
@@ -106,6 +106,7 @@ class TextTranslator:
         first_line: int = 1,
         prefixes: Sequence[str] | None = None,
         progress: Progress | None = None,
+        tgt_langs: Sequence[str] | None = None,
     ) -> list[Translation]:
         """Translations with n-best hypotheses, scores and token log-probabilities, in input order.
 
@@ -113,10 +114,11 @@ class TextTranslator:
         `prefixes`, one per line ("" for none), are forced at the start of each
         translation and scored like the rest (seq2seq.search).
         `progress` is told how many more lines are done after each batch.
+        `tgt_langs`, one per line ("" for none), are the target languages (`tagged` checks them).
         """
         if prefixes is not None and len(prefixes) != len(lines):
             raise DataError(f"{len(prefixes)} prefixes for {len(lines)} lines; give one per line")
-        ids = self._encode(lines, first_line)
+        ids = self._encode(self.tagged(lines, tgt_langs or [""] * len(lines), first_line), first_line)
         forced = self._encode_prefixes(prefixes, first_line) if prefixes is not None else None
         results: list[list[Hypothesis]] = [[] for _ in lines]
         todo = [i for i, seq in enumerate(ids) if len(seq) > 1]  # empty lines translate to ""
@@ -144,6 +146,29 @@ class TextTranslator:
             )
             for i, (line, hyps, seq) in enumerate(zip(lines, results, ids))
         ]
+
+    def tagged(self, lines: Sequence[str], langs: Sequence[str], first_line: int = 1) -> list[str]:
+        """Each line as the model reads it: with the tag of its target language when the model knows several
+        (the only one when it knows one and none is asked for); a language the model does not translate
+        into, or none of several, is refused with the languages it knows."""
+        known = self.tokenizer.target_langs
+        if len(langs) != len(lines):
+            raise DataError(f"{len(langs)} target languages for {len(lines)} lines; give one per line")
+        if not known:  # one language pair, no tags
+            own = self.data.tgt_lang if self.data is not None else ""
+            for number, lang in enumerate(langs, start=first_line):
+                if lang and lang != own:
+                    into = own or "one language"
+                    raise DataError(f"line {number}: this model translates only into {into}, not {lang}")
+            return list(lines)
+        out = []
+        for number, (line, lang) in enumerate(zip(lines, langs), start=first_line):
+            lang = lang or (known[0] if len(known) == 1 else "")
+            if lang not in known and line.strip():
+                asked = f"not {lang}" if lang else "give the target language (--tgt-lang, or tgt_lang)"
+                raise DataError(f"line {number}: this model translates into {', '.join(known)}: {asked}")
+            out.append(tag_line(line, lang) if lang in known else line)
+        return out
 
     def _search(self, sources: list[list[int]], prefixes: list[list[int]] | None) -> list[list[Hypothesis]]:
         """Hypotheses of each source (subword ids, EOS included), best first; `prefixes`: target ids

@@ -150,7 +150,7 @@ def test_misaligned_prefix_file_is_one_line_and_writes_nothing(
         ('["red cat"]', 'in.jsonl:2: each line must be a JSON object with a "text" string'),
         ('{"prefix": "a"}', 'in.jsonl:2: "text" must be a string'),
         ('{"text": "red", "prefix": 3}', 'in.jsonl:2: "prefix" must be a string'),
-        ('{"text": "red", "id": 3}', "in.jsonl:2: unknown field 'id' (fields: text, prefix)"),
+        ('{"text": "red", "id": 3}', "in.jsonl:2: unknown field 'id' (fields: text, prefix, tgt_lang)"),
         ('{"text": "red\\ncat"}', 'in.jsonl:2: "text" contains a line break'),
     ],
 )

@@ -316,6 +316,9 @@ class RecordingEngine:
     def check_prefixes(self, prefixes: list[str]) -> None:
         pass
 
+    def check_tgt_langs(self, lines: list[str], tgt_langs: list[str]) -> None:
+        pass
+
     def translate(
         self, lines: list[str], settings: DecodeConfig, prefixes: list[str] | None = None
     ) -> list[Translation]:

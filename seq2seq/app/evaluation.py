@@ -29,7 +29,8 @@ class EvaluateOptions:
     """hypotheses: score this file of translations instead of decoding; src/ref: the test set's files
     (default: the model's config's test split); tok_ref: a tokenized lower-cased reference for tokenized
     BLEU (default: the test split's, when it exists and `ref` is not given); lowercase: also lower-cased
-    BLEU; bootstrap: resampled test sets for BLEU's 95% interval (1: none); save: write the translations here.
+    BLEU; bootstrap: resampled test sets for BLEU's 95% interval (1: none); save: write the translations here;
+    tgt_lang: the target language, for a model of several pairs (one pair at a time).
     """
 
     hypotheses: str | None = None
@@ -39,6 +40,7 @@ class EvaluateOptions:
     lowercase: bool = False
     bootstrap: int = 1
     save: str | None = None
+    tgt_lang: str = ""
 
 
 @dataclass(frozen=True)
@@ -74,8 +76,8 @@ def evaluate(options: EvaluateOptions, model: ModelOptions | None = None) -> Eva
     else:
         translator = open_translator(replace(model, token_scores=False))
         assert translator.data is not None  # loaded from a checkpoint or an export, which keep their config
-        test = eval_set(translator.data, options.src, options.ref, options.tok_ref)
-        hyps = decode(translator, test.sources)
+        test = eval_set(translator.data, options.src, options.ref, options.tok_ref, options.tgt_lang)
+        hyps = decode(translator, test.sources, options.tgt_lang)
     return score(hyps, test, options.bootstrap, options.lowercase, options.save)
 
 
@@ -100,35 +102,61 @@ def _hypotheses_eval_set(options: EvaluateOptions) -> tuple[EvalSet, list[str]]:
     return EvalSet([], refs, tok_ref.suffix.lstrip(".") if tok_ref else "", tok_ref), hyps
 
 
-def eval_set(data: DataConfig, src: str | None = None, ref: str | None = None, tok_ref: str | None = None) -> EvalSet:
-    """The source and reference files given, or else the config's test split; the tokenized reference given,
-    or else (unless another reference is given) the test split's, when the dataset has one."""
+def eval_set(
+    data: DataConfig, src: str | None = None, ref: str | None = None, tok_ref: str | None = None, tgt_lang: str = ""
+) -> EvalSet:
+    """The source and reference files given, or else the config's test split (of the pair into `tgt_lang`,
+    with data.pairs); the tokenized reference given, or else (unless another reference is given) the test
+    split's, when the dataset has one."""
+    tags = data.target_tags()
+    tgt_lang = tgt_lang or (tags[0] if len(tags) == 1 else "")  # a model of one target language needs no name
+    src_lang, ref_lang = default_pair(data, tgt_lang) if not (src and ref) else (data.src_lang, tgt_lang)
     tokenized = Path(tok_ref) if tok_ref else None
     if tokenized is None and ref is None:
-        tokenized = default_tok_ref(data)
-    sources, references = test_sides(data, src, ref)
-    return EvalSet(sources, references, data.tgt_lang, tokenized)
+        tokenized = default_tok_ref(data, ref_lang)
+    sources, references = test_sides(data, src, ref, (src_lang, ref_lang))
+    return EvalSet(sources, references, ref_lang or data.tgt_lang, tokenized)
 
 
-def test_sides(data: DataConfig, src: str | None, ref: str | None) -> tuple[list[str], list[str]]:
-    """The lines of the given source and reference files, the test split's (in data.format) for those not given."""
+def test_sides(
+    data: DataConfig, src: str | None, ref: str | None, langs: tuple[str, str]
+) -> tuple[list[str], list[str]]:
+    """The lines of the given source and reference files, the test split's (in data.format, or of the
+    languages `langs`) for those not given."""
     from seq2seq.data import find_file, read_split
 
     if data.format != "text" and (src is None or ref is None):
         split_src, split_ref = read_split(data, data.test)
         return read_lines(src) if src else split_src, read_lines(ref) if ref else split_ref
-    src_path = src or find_file(data.dir, data.test, data.src_lang)
-    ref_path = ref or find_file(data.dir, data.test, data.tgt_lang)
+    src_path = src or find_file(data.dir, data.test, langs[0])
+    ref_path = ref or find_file(data.dir, data.test, langs[1])
     return read_lines(src_path), read_lines(ref_path)
 
 
-def default_tok_ref(data: DataConfig) -> Path | None:
-    """The test split's tokenized reference, when the dataset has one and sacremoses can use it."""
+def default_pair(data: DataConfig, tgt_lang: str) -> tuple[str, str]:
+    """The languages of the default test split: data.src_lang-tgt_lang, or the one pair of data.pairs into
+    `tgt_lang`."""
+    if not data.pairs:
+        return data.src_lang, data.tgt_lang
+    if not tgt_lang:
+        raise UsageError(f"this model translates several pairs ({', '.join(data.pairs)}): give --tgt-lang")
+    pairs = [(src, tgt) for src, tgt in data.language_pairs() if tgt == tgt_lang]
+    if len(pairs) != 1:
+        which = "no pair" if not pairs else f"{len(pairs)} pairs"
+        raise UsageError(
+            f"{which} of {', '.join(data.pairs)} translate into {tgt_lang}: give --src and --ref for the test set"
+        )
+    return pairs[0]
+
+
+def default_tok_ref(data: DataConfig, lang: str = "") -> Path | None:
+    """The test split's tokenized reference (in `lang`, default data.tgt_lang), when the dataset has one and
+    sacremoses can use it."""
     import importlib.util
 
     from seq2seq.download import tokenized_reference
 
-    path = tokenized_reference(data.dir, data.test, data.tgt_lang)
+    path = tokenized_reference(data.dir, data.test, lang or data.tgt_lang)
     if not path.is_file():
         return None
     if importlib.util.find_spec("sacremoses") is None:
@@ -137,11 +165,11 @@ def default_tok_ref(data: DataConfig) -> Path | None:
     return path
 
 
-def decode(translator: TextTranslator, sources: Sequence[str]) -> list[str]:
-    """The best translation of each source, with a progress bar on a terminal."""
+def decode(translator: TextTranslator, sources: Sequence[str], tgt_lang: str = "") -> list[str]:
+    """The best translation of each source (into `tgt_lang`), with a progress bar on a terminal."""
     bar = progress_bar(None, total=len(sources))
     try:
-        return translator.translate(sources, progress=None if bar is None else bar.update)
+        return translator.translate(sources, progress=None if bar is None else bar.update, tgt_lang=tgt_lang)
     finally:
         if bar is not None:
             bar.close()

@@ -41,7 +41,8 @@ class TranslateOptions:
     (n-best, scores, token log-probabilities); input_format: text or jsonl ({"text", "prefix"} per line);
     prefix_file: one target prefix per input line; interactive: translate each line as it arrives;
     attention_dir: a picture of each line's cross-attention goes there; attention_layer: a decoder layer
-    from 1, last or all; attention_heads: mean or each; alignment: JSONL lines gain the alignments.
+    from 1, last or all; attention_heads: mean or each; alignment: JSONL lines gain the alignments;
+    tgt_lang: the target language of every line without its own ("tgt_lang" in JSONL), for a model of several.
     """
 
     input: str | None = None
@@ -54,6 +55,7 @@ class TranslateOptions:
     attention_layer: str = "last"
     attention_heads: Literal["mean", "each"] = "mean"
     alignment: bool = False
+    tgt_lang: str = ""
 
     @property
     def inspects(self) -> bool:
@@ -184,7 +186,10 @@ def translate_chunk(
 ) -> list[str]:
     """Translate, draw and align one chunk of records (lines first..); its output lines."""
     prefixes = [r.prefix for r in chunk] if any(r.prefix for r in chunk) else None
-    results = translator.translate_full([r.text for r in chunk], first_line=first, prefixes=prefixes, progress=progress)
+    langs = [r.tgt_lang or options.tgt_lang for r in chunk]
+    results = translator.translate_full(
+        [r.text for r in chunk], first_line=first, prefixes=prefixes, progress=progress, tgt_langs=langs
+    )
     maps: list[AttentionMap | None] = [None] * len(results)
     if options.inspects:
         from seq2seq.translate import Translator

@@ -51,7 +51,7 @@ DECODE_OPTIONS = (
 )
 """The decode settings a request may change. The rest (batch sizes, input truncation, max_len) are the server's."""
 OPTIONS = (*DECODE_OPTIONS, "scores")
-FIELDS = ("text", "prefix", "options")
+FIELDS = ("text", "prefix", "tgt_lang", "options")
 
 
 class Rejected(Exception):
@@ -68,6 +68,7 @@ class TranslateRequest:
     settings: DecodeConfig
     scores: bool  # add each hypothesis' score to the answer
     prefixes: list[str] | None = None  # target prefixes, one per line ("" for none)
+    tgt_lang: str = ""  # the target language of every line, for a model of several ("": none)
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -107,7 +108,11 @@ class _Service:
         try:
             if parsed.prefixes is not None:
                 self.engine.check_prefixes(parsed.prefixes)  # before batching: never another request's failure
-            results = await self.batcher.translate(parsed.lines, parsed.settings, tokens, parsed.prefixes)
+            langs = [parsed.tgt_lang] * len(parsed.lines)
+            self.engine.check_tgt_langs(parsed.lines, langs)
+            results = await self.batcher.translate(
+                parsed.lines, parsed.settings, tokens, parsed.prefixes, langs if parsed.tgt_lang else None
+            )
         except Busy as e:
             raise Rejected(503, f"server busy: {e}") from None
         except UserError as e:  # this request's own input, found by the engine
@@ -151,8 +156,11 @@ class _Service:
         prefixes = self._lines(raw["prefix"], "prefix") if "prefix" in raw else None
         if prefixes is not None and len(prefixes) != len(lines):
             raise Rejected(400, f'"prefix" has {len(prefixes)} items for {len(lines)} lines of "text"; give one each')
+        lang = raw.get("tgt_lang", "")
+        if not isinstance(lang, str) or len(lang) > 64:
+            raise Rejected(400, '"tgt_lang" must be a language name, e.g. "en"')
         settings, scores = self._options(raw.get("options", {}))
-        return TranslateRequest(lines, settings, scores, prefixes)
+        return TranslateRequest(lines, settings, scores, prefixes, lang)
 
     def _lines(self, text: Any, name: str = "text") -> list[str]:
         o = self.options

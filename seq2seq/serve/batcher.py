@@ -37,6 +37,7 @@ class _Job:
     arrived: float  # event-loop time
     result: asyncio.Future[list[Translation]]
     prefixes: list[str] | None = None  # one per line ("" for none), or None
+    tgt_langs: list[str] | None = None  # one per line ("" for none), or None
 
 
 class Batcher:
@@ -71,14 +72,19 @@ class Batcher:
         await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)
 
     async def translate(
-        self, lines: list[str], settings: DecodeConfig, tokens: int, prefixes: list[str] | None = None
+        self,
+        lines: list[str],
+        settings: DecodeConfig,
+        tokens: int,
+        prefixes: list[str] | None = None,
+        tgt_langs: list[str] | None = None,
     ) -> list[Translation]:
-        """Queue `lines` (`tokens` source subwords in all; target `prefixes`, one per line, if any)
-        and wait for their translations, in order."""
+        """Queue `lines` (`tokens` source subwords in all; target `prefixes` and target languages, one per
+        line, if any) and wait for their translations, in order."""
         if len(self._waiting) >= self.max_queue:
             raise Busy(f"{len(self._waiting)} requests are waiting; retry later")
         loop = asyncio.get_running_loop()
-        job = _Job(lines, settings, tokens, loop.time(), loop.create_future(), prefixes)
+        job = _Job(lines, settings, tokens, loop.time(), loop.create_future(), prefixes, tgt_langs)
         self._waiting.append(job)
         self._arrived.set()
         self.in_flight += 1
@@ -138,6 +144,9 @@ class Batcher:
         call = functools.partial(self.engine.translate, lines, batch[0].settings)
         if any(job.prefixes for job in batch):  # requests with and without prefixes share a batch
             call = functools.partial(call, [p for job in batch for p in job.prefixes or [""] * len(job.lines)])
+        if any(job.tgt_langs for job in batch):
+            langs = [lang for job in batch for lang in job.tgt_langs or [""] * len(job.lines)]
+            call = functools.partial(call, tgt_langs=langs)
         try:
             results = await loop.run_in_executor(self._executor, call)
             log.debug(

@@ -36,13 +36,23 @@ class Engine(Protocol):
         before batching, so that one request's prefix never fails the others in its batch."""
         ...
 
+    def check_tgt_langs(self, lines: Sequence[str], tgt_langs: Sequence[str]) -> None:
+        """DataError naming a target language the model does not translate into, or saying that it needs
+        one: checked per request, before batching, like the prefixes."""
+        ...
+
     def translate(
-        self, lines: Sequence[str], settings: DecodeConfig, prefixes: Sequence[str] | None = None
+        self,
+        lines: Sequence[str],
+        settings: DecodeConfig,
+        prefixes: Sequence[str] | None = None,
+        tgt_langs: Sequence[str] | None = None,
     ) -> list[Translation]:
         """Translations in input order; called from one worker thread, never from the event loop.
 
         `prefixes` (one per line, "" for none) start the translations; the batcher passes
         them only when a request has some, so an engine without prefixes may leave them out.
+        `tgt_langs` (one per line, "" for none) likewise, for a model of several target languages.
         """
         ...
 
@@ -74,12 +84,19 @@ class TranslatorEngine:
             if len(ids) > limit:
                 raise DataError(f"prefix[{i}] has {len(ids)} subwords; the model allows {limit}")
 
+    def check_tgt_langs(self, lines: Sequence[str], tgt_langs: Sequence[str]) -> None:
+        self._translator.tagged(lines, tgt_langs)
+
     def translate(
-        self, lines: Sequence[str], settings: DecodeConfig, prefixes: Sequence[str] | None = None
+        self,
+        lines: Sequence[str],
+        settings: DecodeConfig,
+        prefixes: Sequence[str] | None = None,
+        tgt_langs: Sequence[str] | None = None,
     ) -> list[Translation]:
         translator = copy.copy(self._translator)  # settings were checked by `settings`
         translator.decode = settings
-        return translator.translate_full(lines, prefixes=prefixes)
+        return translator.translate_full(lines, prefixes=prefixes, tgt_langs=tgt_langs)
 
     def describe(self) -> dict[str, Any]:
         t = self._translator
@@ -88,6 +105,7 @@ class TranslatorEngine:
             **t.engine_info(),
             "source_language": data.src_lang if data else None,
             "target_language": data.tgt_lang if data else None,
+            "target_languages": list(t.tokenizer.target_langs),  # a model of several pairs: tgt_lang takes these
             "max_positions": t.max_positions,
             "decode": to_dict(t.decode),
         }

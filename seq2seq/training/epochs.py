@@ -23,7 +23,7 @@ import torch
 
 from seq2seq.config import DataConfig
 from seq2seq.data import Batch, bucket, collate_pairs
-from seq2seq.prepare import PreparedCorpus
+from seq2seq.prepare import PreparedCorpus, training_sets
 from seq2seq.tokenizer import Sampling
 from seq2seq.vocab import EOS
 
@@ -87,7 +87,7 @@ class EpochSource:
         A set of weight w contributes floor(w) copies of each pair and a sample, drawn
         anew each epoch, of the fraction w - floor(w) of its pairs.
         """
-        weights = [w for _, w in self.data.train_sets()]
+        weights = [w for _, _, _, w in training_sets(self.data)]  # each pair's sets, as prepared
         if all(w == 1 for w in weights):
             return None
         rng = np.random.default_rng(epoch_seed(self.seed, epoch) + 2)

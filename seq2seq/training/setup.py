@@ -11,18 +11,18 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from seq2seq.checkpoint import Checkpoint, Progress
-from seq2seq.config import ExperimentConfig, TrainConfig, to_dict
-from seq2seq.data import encode_corpus, read_split
+from seq2seq.config import DataConfig, ExperimentConfig, TrainConfig, to_dict
+from seq2seq.data import encode_corpus, read_parallel, read_split
 from seq2seq.device import resolve_device, resolve_precision
 from seq2seq.errors import TrainingError
 from seq2seq.model import Seq2SeqModel, build_model
 from seq2seq.prepare import PreparedCorpus, ensure_prepared
 from seq2seq.run_dir import RunDirectory
-from seq2seq.tokenizer import Tokenizer
+from seq2seq.tokenizer import Tokenizer, tag_line
 from seq2seq.training import distributed as dist
 from seq2seq.training.epochs import EpochSource
 from seq2seq.training.optim import build_optimizer
-from seq2seq.training.validation import Validator
+from seq2seq.training.validation import Validator, ValidPair
 
 log = logging.getLogger("seq2seq.train")
 
@@ -73,14 +73,41 @@ def training_data(cfg: ExperimentConfig, corpus: PreparedCorpus) -> EpochSource:
 def build_validator(
     cfg: ExperimentConfig, tokenizer: Tokenizer, model: Seq2SeqModel, precision: str, device: torch.device
 ) -> Validator:
-    """Validation on the valid split, encoded up to the model's length with the best segmentation."""
+    """Validation on the valid split (of each language pair), encoded up to the model's length with the best
+    segmentation; the loss is over the tagged sources, as trained."""
     d, t = cfg.data, cfg.train
-    text = read_split(d, d.valid)
-    corpus = encode_corpus(tokenizer, *text, cfg.model.max_positions - 1, f"{d.dir}/{d.valid}")
+    text, pairs = valid_text(d)
+    tagged = [tag_line(text[0][i], p.tgt) for p in pairs for i in p.lines]
+    corpus = encode_corpus(tokenizer, tagged or text[0], text[1], cfg.model.max_positions - 1, f"{d.dir}/{d.valid}")
     log.info("data: %d validation pairs", len(corpus))
     return Validator(
-        model, tokenizer, corpus, text, cfg.decode, t.max_tokens, t.label_smoothing, precision, device, t.valid_bleu
+        model,
+        tokenizer,
+        corpus,
+        text,
+        cfg.decode,
+        t.max_tokens,
+        t.label_smoothing,
+        precision,
+        device,
+        t.valid_bleu,
+        pairs,
     )
+
+
+def valid_text(d: DataConfig) -> tuple[tuple[list[str], list[str]], list[ValidPair]]:
+    """(sources, references) of the valid split; with data.pairs, each pair's one after another, and where."""
+    if not d.pairs:
+        return read_split(d, d.valid), []
+    sources: list[str] = []
+    references: list[str] = []
+    pairs = []
+    for src, tgt in d.language_pairs():
+        src_lines, tgt_lines = read_parallel(d.dir, d.valid, src, tgt)
+        pairs.append(ValidPair(f"{src}-{tgt}", tgt, range(len(sources), len(sources) + len(src_lines))))
+        sources += src_lines
+        references += tgt_lines
+    return (sources, references), pairs
 
 
 def build_training_model(

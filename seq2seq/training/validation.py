@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -48,14 +48,20 @@ def loss_scores(
 
 
 def translations(
-    model: Seq2SeqModel, tokenizer: Tokenizer, decode: DecodeConfig, sources: Sequence[str], device: torch.device
+    model: Seq2SeqModel,
+    tokenizer: Tokenizer,
+    decode: DecodeConfig,
+    sources: Sequence[str],
+    device: torch.device,
+    langs: Sequence[str] | None = None,
 ) -> list[str]:
-    """Detokenized translations with `decode.valid_strategy` (greedy or beam).
+    """Detokenized translations with `decode.valid_strategy` (greedy or beam); `langs`: the target
+    language of each source, for a model of several pairs.
 
     nbest=1: only the best hypothesis is scored, and decode.nbest was checked against decode.strategy's beam only.
     """
     valid = replace(decode, strategy=decode.valid_strategy, nbest=1)
-    return Translator(model, tokenizer, valid, device).translate(sources)
+    return [t.text for t in Translator(model, tokenizer, valid, device).translate_full(sources, tgt_langs=langs)]
 
 
 def bleu(hypotheses: Sequence[str], references: Sequence[str]) -> float:
@@ -83,6 +89,7 @@ class Validator:
         precision: str,
         device: torch.device,
         with_bleu: bool = True,
+        pairs: Sequence[ValidPair] = (),
     ) -> None:
         self.model, self.tokenizer, self.corpus, self.text, self.decode = model, tokenizer, corpus, text, decode
         self.max_tokens, self.label_smoothing, self.precision, self.device = (
@@ -92,6 +99,7 @@ class Validator:
             device,
         )
         self.with_bleu = with_bleu
+        self.pairs = pairs
         self.examples = ""  # a few translations of the last validation, as markdown
 
     def __call__(self) -> dict[str, float]:
@@ -101,7 +109,26 @@ class Validator:
         )
         if self.with_bleu:
             sources, references = self.text
-            hypotheses = translations(self.model, self.tokenizer, self.decode, sources, self.device)
-            scores["bleu"] = bleu(hypotheses, references)
+            langs = [p.tgt for p in self.pairs for _ in p.lines] if self.pairs else None
+            hypotheses = translations(self.model, self.tokenizer, self.decode, sources, self.device, langs)
+            scores.update(pair_bleu(hypotheses, references, self.pairs))
             self.examples = examples(sources, hypotheses, references)
         return scores
+
+
+@dataclass(frozen=True)
+class ValidPair:
+    """The lines of one language pair in a validation set of several pairs (data.pairs), one after another."""
+
+    name: str  # e.g. de-en
+    tgt: str
+    lines: range
+
+
+def pair_bleu(hypotheses: Sequence[str], references: Sequence[str], pairs: Sequence[ValidPair]) -> dict[str, float]:
+    """BLEU; with several pairs, each pair's (bleu_de-en, ...) and their mean as `bleu`, what selects the best
+    checkpoint: every pair counts the same, however many lines its validation set has."""
+    if not pairs:
+        return {"bleu": bleu(hypotheses, references)}
+    out = {f"bleu_{p.name}": bleu([hypotheses[i] for i in p.lines], [references[i] for i in p.lines]) for p in pairs}
+    return {"bleu": sum(out.values()) / len(out), **out}
