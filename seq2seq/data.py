@@ -36,6 +36,12 @@ def find_file(directory: str | Path, split: str, lang: str) -> Path:
 
 def read_lines(path: str | Path) -> list[str]:
     """All lines of a UTF-8 text file, plain or gzipped, without line endings."""
+    return list(stream_lines(path))
+
+
+def stream_lines(path: str | Path) -> Iterator[str]:
+    """The lines of a UTF-8 text file, plain or gzipped, without line endings, one at a time (a corpus
+    larger than memory streams through); errors name the file (and line)."""
     path = Path(path)
     if not path.is_file():
         what = "not a regular file" if path.exists() else "missing data file"  # /dev/zero would never end
@@ -43,7 +49,7 @@ def read_lines(path: str | Path) -> list[str]:
     opener = gzip.open if path.suffix == ".gz" else open
     try:
         with opener(path, "rb") as f:
-            return list(decode_lines(f, str(path)))
+            yield from decode_lines(f, str(path))
     except (OSError, EOFError) as e:  # e.g. a truncated or fake .gz
         raise DataError(f"{path}: cannot read ({e})") from None
 
@@ -113,6 +119,17 @@ class EncodedCorpus:
         return [max(len(s), len(t)) for s, t in zip(self.src, self.tgt)]
 
 
+EMPTY, TOO_LONG = "empty", "over-long"
+
+
+def dropped_as(src: Sequence[int], tgt: Sequence[int], max_len: int) -> str:
+    """Why a training pair (subword ids, EOS not included) is dropped: EMPTY (a side without subwords),
+    TOO_LONG (a side of more than data.max_len); "" when it is kept."""
+    if not src or not tgt:
+        return EMPTY
+    return TOO_LONG if len(src) > max_len or len(tgt) > max_len else ""
+
+
 def encode_corpus(
     tokenizer: Tokenizer,
     src_lines: Sequence[str],
@@ -127,11 +144,10 @@ def encode_corpus(
     kept_src, kept_tgt = [], []
     empty = too_long = 0
     for s, t in zip(src_ids, tgt_ids):
-        if not s or not t:
-            empty += 1
-        elif len(s) > max_len or len(t) > max_len:  # max_len counts subwords, EOS not included
-            too_long += 1
-        else:
+        reason = dropped_as(s, t, max_len)
+        empty += reason == EMPTY
+        too_long += reason == TOO_LONG
+        if not reason:
             kept_src.append(s + [EOS])
             kept_tgt.append(t + [EOS])
     if empty or too_long:

@@ -27,7 +27,6 @@ Memory stays constant in the corpus size, except for the SentencePiece sample
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import logging
@@ -45,10 +44,10 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from seq2seq.config import DataConfig
-from seq2seq.data import decode_lines, find_file, misaligned, no_pairs
+from seq2seq.data import EMPTY, dropped_as, find_file, misaligned, no_pairs, stream_lines
 from seq2seq.errors import ConfigError, DataError
 from seq2seq.owned import check_replaceable, is_regular_file, make_temporary, remove_temporary, replace_directory
-from seq2seq.tokenizer import Tokenizer, train_tokenizer
+from seq2seq.tokenizer import Tokenizer, read_tokenizer, tokenizer_files, train_tokenizer
 from seq2seq.vocab import EOS
 
 log = logging.getLogger("seq2seq.prepare")
@@ -267,16 +266,6 @@ class SplitText:
     sample: tuple[list[str], list[str]]
 
 
-def raw_lines(path: Path) -> Iterator[str]:
-    """The decoded lines of a plain or gzipped file, streamed; errors name the file (and line)."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    try:
-        with opener(path, "rb") as f:
-            yield from decode_lines(f, str(path))
-    except (OSError, EOFError) as e:  # e.g. a truncated or fake .gz
-        raise DataError(f"{path}: cannot read ({e})") from None
-
-
 def split_text(files: list[tuple[Path, Path]], out: Path, shard_lines: int, sample_size: int) -> SplitText:
     """Copy the aligned lines of each training set into text shards, checking them; sample pairs uniformly."""
     split = SplitText(0, [], [], ([], []))
@@ -284,7 +273,7 @@ def split_text(files: list[tuple[Path, Path]], out: Path, shard_lines: int, samp
     for number, (src_path, tgt_path) in enumerate(files):
         writer: _TextShard | None = None
         with_text = any_line = False
-        src_lines, tgt_lines = raw_lines(src_path), raw_lines(tgt_path)
+        src_lines, tgt_lines = stream_lines(src_path), stream_lines(tgt_path)
         for n, (s, t) in enumerate(zip_longest(src_lines, tgt_lines)):
             if s is None or t is None:  # one file ended: count the rest of the other for the message
                 rest = 1 + sum(1 for _ in (tgt_lines if s is None else src_lines))
@@ -365,8 +354,9 @@ def encode_chunk(task: tuple[Path, str, int, int, int, str]) -> tuple[np.ndarray
     assert _worker_tokenizer is not None
     src = _worker_tokenizer.encode_src(text_lines(directory, name, "src", start, end))
     tgt = _worker_tokenizer.encode_tgt(text_lines(directory, name, "tgt", start, end))
-    kept = [i for i, (s, t) in enumerate(zip(src, tgt)) if s and t and len(s) <= max_len and len(t) <= max_len]
-    empty = sum(1 for s, t in zip(src, tgt) if not s or not t)
+    reasons = [dropped_as(s, t, max_len) for s, t in zip(src, tgt)]
+    kept = [i for i, reason in enumerate(reasons) if not reason]
+    empty = reasons.count(EMPTY)
     out: list[np.ndarray] = []
     for side in (src, tgt):
         out.append(np.fromiter((x for i in kept for x in side[i] + [EOS]), dtype=dtype))
@@ -547,18 +537,9 @@ def _open_manifest(directory: Path) -> dict[str, Any]:
 
 def _load_tokenizer(directory: Path, expected: str) -> Tokenizer:
     """The SentencePiece model(s) of a prepared directory, checked against the hash its manifest records."""
-    shared = directory / "spm.model"
-    paths = (
-        [shared] if shared.exists() or shared.is_symlink() else [directory / f"spm.{s}.model" for s in ("src", "tgt")]
-    )
     damaged = f"delete {directory} and run `seq2seq prepare` to prepare it again"
-    for path in paths:
-        if not is_regular_file(path):
-            raise DataError(f"{path}: missing or not a regular file; {damaged}")
-    try:
-        tokenizer = Tokenizer(*(path.read_bytes() for path in paths))
-    except (RuntimeError, OSError) as e:
-        raise DataError(f"{paths[0]}: not a readable SentencePiece model ({str(e)[:80]}); {damaged}") from None
+    tokenizer = read_tokenizer(directory, damaged, DataError)
     if tokenizer_hash(tokenizer) != expected:
-        raise DataError(f"{paths[0]}: not the SentencePiece model the data was encoded with (replaced?); {damaged}")
+        first = tokenizer_files(directory, damaged, DataError)[0]
+        raise DataError(f"{first}: not the SentencePiece model the data was encoded with (replaced?); {damaged}")
     return tokenizer
