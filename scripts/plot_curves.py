@@ -9,12 +9,9 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+from matplotlib.figure import Figure  # drawn off screen, without pyplot's GUI backends
 
 from seq2seq.training.monitor import read_metrics
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 
 
 def validations(run_dir: Path) -> list[dict[str, Any]]:
@@ -39,7 +36,8 @@ def main() -> None:
     parser.add_argument("-o", "--output", type=Path, required=True)
     args = parser.parse_args()
     runs = {run: validations(run) for run in args.runs}  # every run checked before drawing
-    fig, (ax_bleu, ax_loss) = plt.subplots(1, 2, figsize=(11, 4))
+    fig = Figure(figsize=(11, 4))
+    ax_bleu, ax_loss = fig.subplots(1, 2)
     for run, records in runs.items():
         ax_bleu.plot(*curve(records, "bleu"), marker=".", label=run.name)
         ax_loss.plot(*curve(records, "loss"), marker=".", label=run.name)
