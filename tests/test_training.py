@@ -320,7 +320,7 @@ def test_kill_9_leaves_only_complete_checkpoints_and_the_run_resumes(small: Path
     proc.send_signal(signal.SIGKILL)  # saving is continuous here, so this often lands mid-write
     proc.wait(timeout=60)
     expected = re.compile(
-        r"checkpoint_(last|best|step\d+)\.pt|config\.yaml|spm\.model|train\.log|tb|prepared|run_id|\.lock|\.checkpoint.*\.tmp"
+        r"checkpoint_(last|best|step\d+)\.pt|config\.yaml|spm\.model|train\.log|metrics\.jsonl|tb|prepared|run_id|\.lock|\.checkpoint.*\.tmp"
     )
     assert all(expected.fullmatch(name) for name in os.listdir(run)), os.listdir(run)
     for path in run.glob("checkpoint*.pt"):
