@@ -472,7 +472,7 @@ def _architecture_sections(model: dict[str, Any], source: str) -> dict[str, Any]
             key = f"model.{section}.{next(iter(keys))}" if isinstance(keys, dict) and keys else f"model.{section}"
             raise ConfigError(
                 f"{source}: {key} does not apply to model.arch: {arch} (it is a setting of model.arch: {section}; "
-                f"model.{section}=null on the command line drops the file's)"
+                f"drop it with model.{section}=null, or switch with model.arch={section} model.{arch}=null)"
             )
     return model
 
