@@ -45,19 +45,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from bench_engines import BASELINE_REV, SHAPES, SYSTEMS
 from torch.nn.attention import SDPBackend
 
+from seq2seq.data import read_lines
+from seq2seq.model import kernel_scope
+from seq2seq.search import search
+from seq2seq.translate import SearchFn, Translation, Translator
+from seq2seq.uncached import uncached_search
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from seq2seq.data import read_lines  # noqa: E402
-from seq2seq.model import kernel_scope  # noqa: E402
-from seq2seq.search import search  # noqa: E402
-from seq2seq.translate import SearchFn, Translation, Translator  # noqa: E402
-from seq2seq.uncached import uncached_search  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engines import BASELINE_REV, SHAPES, SYSTEMS  # noqa: E402
 
 # --compare -> the setting, then its baseline: (name, search function, attention kernel; None: PyTorch's choice)
 Setting = tuple[str, SearchFn, SDPBackend | None]

@@ -53,7 +53,6 @@ import dataclasses
 import itertools
 import logging
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -64,17 +63,17 @@ import numpy as np
 import torch
 from torch.nn.attention import SDPBackend
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from seq2seq.config import ExperimentConfig, load_config
+from seq2seq.data import Batch, bucket, collate_pairs, read_parallel
+from seq2seq.device import resolve_precision
+from seq2seq.model import training_kernel
+from seq2seq.tokenizer import Tokenizer, train_tokenizer
+from seq2seq.training.epochs import epoch_seed
+from seq2seq.training.trainer import Trainer
+from seq2seq.training.update import UpdateStep
 
-from seq2seq.config import ExperimentConfig, load_config  # noqa: E402
-from seq2seq.data import Batch, bucket, collate_pairs, read_parallel  # noqa: E402
-from seq2seq.device import resolve_precision  # noqa: E402
-from seq2seq.model import training_kernel  # noqa: E402
-from seq2seq.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
-from seq2seq.training.epochs import epoch_seed  # noqa: E402
-from seq2seq.training.trainer import Trainer  # noqa: E402
-from seq2seq.training.update import UpdateStep  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+
 
 MODELS = {
     "quickstart": [],

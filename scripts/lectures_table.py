@@ -3,7 +3,7 @@
     python scripts/lectures_table.py runs/lectures/* [--decode-seconds NAME=SECONDS ...]
 
 Reads each run directory as `seq2seq train` and `seq2seq evaluate > RUN/test_scores.txt`
-left it: `train.log` (parameters, updates, the training log's tokens/s,
+left it: `metrics.jsonl` (parameters, updates, the median training tokens/s,
 the best greedy val BLEU) and `test_scores.txt` (the
 evaluate output with the config's beam: sacreBLEU, chrF, and the lower-cased
 tokenized BLEU when the dataset's tokenized references are there), and
@@ -21,10 +21,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-PARAMS = re.compile(r"model: ([\d.]+)M parameters")
-TOKENS = re.compile(r"step \d+: .* ([\d.]+) tokens/s")
-VALID = re.compile(r"step \d+: valid .* bleu ([\d.]+) \(best")
-FINISHED = re.compile(r"training finished at step (\d+), epoch (\d+)")
+from seq2seq.training.monitor import read_metrics
+
 SCORE = re.compile(r"^(.+?) = ([\d.]+)")  # evaluate's lines: NAME = VALUE  (signature)
 TOKENIZED = "BLEU (lc, Moses-tokenized)"
 TEST_SENTENCES = 1000  # test_2016_flickr
@@ -50,22 +48,21 @@ def read_scores(path: Path) -> dict[str, float]:
 
 
 def read_run(run_dir: Path) -> Run:
-    log = (run_dir / "train.log").read_text(encoding="utf-8")
-    params = PARAMS.search(log)
-    finished = FINISHED.findall(log)
-    if params is None or not finished:
-        raise SystemExit(f"{run_dir}: train.log has no finished training")
-    updates, epochs = finished[-1]
-    rates = [float(rate) for rate in TOKENS.findall(log)]
-    valid = [float(bleu) for bleu in VALID.findall(log)]
+    records = read_metrics(run_dir / "metrics.jsonl")
+    starts = [r for r in records if r["event"] == "start"]
+    finished = [r for r in records if r["event"] == "finish"]
+    if not starts or not finished:
+        raise SystemExit(f"{run_dir}: metrics.jsonl has no finished training")
+    rates = [r["tokens_per_s"] for r in records if r["event"] == "train" and r.get("tokens_per_s") is not None]
+    valid = [r["bleu"] for r in records if r["event"] == "valid" and r.get("bleu") is not None]
     scores = read_scores(run_dir / "test_scores.txt")
     if not scores:
         raise SystemExit(f"{run_dir}: no scores in test_scores.txt (seq2seq evaluate ... > RUN/test_scores.txt)")
     return Run(
         name=run_dir.name,
-        params=float(params.group(1)),
-        updates=int(updates),
-        epochs=int(epochs),
+        params=starts[-1]["parameters"] / 1e6,
+        updates=finished[-1]["step"],
+        epochs=finished[-1]["epoch"],
         tokens_per_s=statistics.median(rates) if rates else float("nan"),
         best_valid_bleu=max(valid, default=float("nan")),
         scores=scores,

@@ -1,4 +1,4 @@
-"""Plot validation BLEU and loss against training time from runs' TensorBoard logs.
+"""Plot validation BLEU and loss against training time from runs' metrics.jsonl.
 
 python scripts/plot_curves.py runs/m30k_de_en runs/m30k_en_de -o docs/curves.png
 """
@@ -7,29 +7,26 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
-import matplotlib
+from matplotlib.figure import Figure  # drawn off screen, without pyplot's GUI backends
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
-
-
-def read_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
-    """tag -> {step: value} over all event files of a run (a resumed run has several)."""
-    scalars: dict[str, dict[int, float]] = {}
-    for events in sorted((run_dir / "tb").glob("events.out.tfevents.*")):
-        acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
-        acc.Reload()
-        for tag in acc.Tags()["scalars"]:
-            scalars.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
-    return scalars
+from seq2seq.training.monitor import read_metrics
 
 
-def curve(scalars: dict[str, dict[int, float]], tag: str) -> tuple[list[float], list[float]]:
-    """(minutes, values) of a validation scalar, timed by the `valid/minutes` scalar of the same step."""
-    minutes = scalars.get("valid/minutes", {})
-    points = sorted((minutes[s], v) for s, v in scalars.get(tag, {}).items() if s in minutes)
+def validations(run_dir: Path) -> list[dict[str, Any]]:
+    """The "valid" records of a run (a resumed run's last record of each step); one line and exit 1 if none."""
+    if not run_dir.is_dir():
+        raise SystemExit(f"plot_curves: {run_dir} is not a run directory")
+    records = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["event"] == "valid"]
+    if not records:
+        raise SystemExit(f"plot_curves: {run_dir / 'metrics.jsonl'} holds no validation (train with this version)")
+    return records
+
+
+def curve(records: list[dict[str, Any]], name: str) -> tuple[list[float], list[float]]:
+    """(minutes of training, values) of one validation score."""
+    points = [(r["minutes"], r[name]) for r in records if r.get(name) is not None and r.get("minutes") is not None]
     return [p[0] for p in points], [p[1] for p in points]
 
 
@@ -38,11 +35,12 @@ def main() -> None:
     parser.add_argument("runs", nargs="+", type=Path)
     parser.add_argument("-o", "--output", type=Path, required=True)
     args = parser.parse_args()
-    fig, (ax_bleu, ax_loss) = plt.subplots(1, 2, figsize=(11, 4))
-    for run in args.runs:
-        scalars = read_scalars(run)
-        ax_bleu.plot(*curve(scalars, "valid/bleu"), marker=".", label=run.name)
-        ax_loss.plot(*curve(scalars, "valid/loss"), marker=".", label=run.name)
+    runs = {run: validations(run) for run in args.runs}  # every run checked before drawing
+    fig = Figure(figsize=(11, 4))
+    ax_bleu, ax_loss = fig.subplots(1, 2)
+    for run, records in runs.items():
+        ax_bleu.plot(*curve(records, "bleu"), marker=".", label=run.name)
+        ax_loss.plot(*curve(records, "loss"), marker=".", label=run.name)
     ax_bleu.set(xlabel="training minutes", ylabel="valid BLEU (sacreBLEU, greedy)", title="Validation BLEU")
     ax_loss.set(xlabel="training minutes", ylabel="valid loss (label-smoothed, nats)", title="Validation loss")
     for ax in (ax_bleu, ax_loss):

@@ -24,7 +24,6 @@ operators are upper bounds.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -32,16 +31,16 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from seq2seq.config import ExperimentConfig, ModelConfig, TrainConfig, TransformerConfig
+from seq2seq.data import Batch
+from seq2seq.device import resolve_precision
+from seq2seq.model import build_model
+from seq2seq.training.optim import build_optimizer, lr_schedule
+from seq2seq.training.update import UpdateStep
+from seq2seq.vocab import BOS, EOS, PAD
 
-from seq2seq.config import ExperimentConfig, ModelConfig, TrainConfig, TransformerConfig  # noqa: E402
-from seq2seq.data import Batch  # noqa: E402
-from seq2seq.device import resolve_precision  # noqa: E402
-from seq2seq.model import build_model  # noqa: E402
-from seq2seq.training.optim import build_optimizer, lr_schedule  # noqa: E402
-from seq2seq.training.update import UpdateStep  # noqa: E402
-from seq2seq.vocab import BOS, EOS, PAD  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+
 
 MODELS = {
     "quickstart": ModelConfig(d_model=256, transformer=TransformerConfig(n_heads=4, d_ff=1024, encoder_layers=3)),

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from seq2seq.config import ExperimentConfig, from_dict, to_dict
+from seq2seq.config import ExperimentConfig, config_changes, from_dict, to_dict
 from seq2seq.errors import CheckpointError, ConfigError
 from seq2seq.model import Seq2SeqModel, build_model
 from seq2seq.security import check_torch_version
@@ -567,9 +567,9 @@ def _check_same_model(first: Checkpoint, other: Checkpoint, first_path: Path, pa
         return
     if other.tokenizer.state() != first.tokenizer.state():
         raise CheckpointError(f"{path}: its tokenizer differs from {first_path}'s; cannot average")
-    difference = _first_difference(to_dict(first.config.model), to_dict(other.config.model), "model.")
-    if difference is not None:
-        key, ours, theirs = difference
+    differences = config_changes(to_dict(first.config.model), to_dict(other.config.model), "model.")
+    if differences:
+        key, ours, theirs = differences[0]
         raise CheckpointError(f"{path}: {key} is {theirs!r}, not {ours!r} as in {first_path}; cannot average")
     if other.run_id != first.run_id:
         log.warning(
@@ -579,15 +579,3 @@ def _check_same_model(first: Checkpoint, other: Checkpoint, first_path: Path, pa
             path,
             other.run_id or "no run id",
         )
-
-
-def _first_difference(a: dict[str, Any], b: dict[str, Any], prefix: str) -> tuple[str, Any, Any] | None:
-    """The first setting (dotted key, value in a, value in b) that differs between two config dicts."""
-    for key in sorted(set(a) | set(b)):
-        if isinstance(a.get(key), dict) and isinstance(b.get(key), dict):
-            inner = _first_difference(a[key], b[key], f"{prefix}{key}.")
-            if inner is not None:
-                return inner
-        elif a.get(key) != b.get(key):
-            return f"{prefix}{key}", a.get(key), b.get(key)
-    return None

@@ -490,6 +490,12 @@ def dotted(raw: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def config_changes(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted key, old value, new value) of each setting that differs between two config dicts, in key order."""
+    a, b = dotted(old, prefix), dotted(new, prefix)
+    return [(key, a.get(key), b.get(key)) for key in sorted(a.keys() | b.keys()) if a.get(key) != b.get(key)]
+
+
 def from_dict(raw: dict[str, Any], source: str = "<dict>") -> ExperimentConfig:
     """Build and validate a config from a nested dict (e.g. one stored in a checkpoint)."""
     raw = {**raw}
@@ -536,7 +542,7 @@ def _architecture_sections(model: dict[str, Any], source: str) -> dict[str, Any]
             key = f"model.{section}.{next(iter(keys))}" if isinstance(keys, dict) and keys else f"model.{section}"
             raise ConfigError(
                 f"{source}: {key} does not apply to model.arch: {arch} (it is a setting of model.arch: {section}; "
-                f"model.{section}=null on the command line drops the file's)"
+                f"drop it with model.{section}=null, or switch with model.arch={section} model.{arch}=null)"
             )
     return model
 

@@ -40,15 +40,20 @@ def find_file(directory: str | Path, split: str, lang: str) -> Path:
 
 def read_lines(path: str | Path) -> list[str]:
     """All lines of a UTF-8 text file, plain or gzipped, without line endings."""
+    return list(stream_lines(path))
+
+
+def stream_lines(path: str | Path) -> Iterator[str]:
+    """The lines of a UTF-8 text file, plain or gzipped, without line endings, one at a time (a corpus
+    larger than memory streams through); errors name the file (and line)."""
     path = Path(path)
     if not path.is_file():
         what = "not a regular file" if path.exists() else "missing data file"  # /dev/zero would never end
         raise DataError(f"{what}: {path}")
-    return list(raw_lines(path))
+    return _decoded_lines(path)
 
 
-def raw_lines(path: Path) -> Iterator[str]:
-    """The decoded lines of a plain or gzipped file, streamed; errors name the file (and line)."""
+def _decoded_lines(path: Path) -> Iterator[str]:
     opener = gzip.open if path.suffix == ".gz" else open
     try:
         with opener(path, "rb") as f:
@@ -125,13 +130,13 @@ def split_pairs(d: DataConfig, files: tuple[Path, ...]) -> Iterator[tuple[str, s
     if len(files) == 2:
         yield from aligned_lines(*files)
         return
-    for number, line in enumerate(raw_lines(files[0]), 1):
+    for number, line in enumerate(stream_lines(files[0]), 1):
         yield parse_pair(d, line, f"{files[0]}:{number}")
 
 
 def aligned_lines(src_path: Path, tgt_path: Path) -> Iterator[tuple[str, str]]:
     """The lines of two files side by side; misaligned if one ends first (the other's rest counted)."""
-    src_lines, tgt_lines = raw_lines(src_path), raw_lines(tgt_path)
+    src_lines, tgt_lines = stream_lines(src_path), stream_lines(tgt_path)
     for n, (s, t) in enumerate(zip_longest(src_lines, tgt_lines)):
         if s is None or t is None:
             rest = 1 + sum(1 for _ in (tgt_lines if s is None else src_lines))
@@ -201,6 +206,17 @@ class EncodedCorpus:
         return [max(len(s), len(t)) for s, t in zip(self.src, self.tgt)]
 
 
+EMPTY, TOO_LONG = "empty", "over-long"
+
+
+def dropped_as(src: Sequence[int], tgt: Sequence[int], max_len: int) -> str:
+    """Why a training pair (subword ids, EOS not included) is dropped: EMPTY (a side without subwords),
+    TOO_LONG (a side of more than data.max_len); "" when it is kept."""
+    if not src or not tgt:
+        return EMPTY
+    return TOO_LONG if len(src) > max_len or len(tgt) > max_len else ""
+
+
 def encode_corpus(
     tokenizer: Tokenizer,
     src_lines: Sequence[str],
@@ -215,11 +231,10 @@ def encode_corpus(
     kept_src, kept_tgt = [], []
     empty = too_long = 0
     for s, t in zip(src_ids, tgt_ids):
-        if not s or not t:
-            empty += 1
-        elif len(s) > max_len or len(t) > max_len:  # max_len counts subwords, EOS not included
-            too_long += 1
-        else:
+        reason = dropped_as(s, t, max_len)
+        empty += reason == EMPTY
+        too_long += reason == TOO_LONG
+        if not reason:
             kept_src.append(s + [EOS])
             kept_tgt.append(t + [EOS])
     if empty or too_long:

@@ -50,7 +50,7 @@ from seq2seq.data import pad
 from seq2seq.errors import UserError
 from seq2seq.owned import is_regular_file, sha256_file
 from seq2seq.search import Hypothesis, length_penalty, max_lengths
-from seq2seq.tokenizer import Tokenizer
+from seq2seq.tokenizer import Tokenizer, read_tokenizer, tokenizer_files
 from seq2seq.translate import TextTranslator
 from seq2seq.vocab import BOS, EOS, PAD, UNK
 
@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 CONFIG = "seq2seq.yaml"  # the checkpoint's experiment config, beside CTranslate2's config.json
 MANIFEST = "seq2seq-manifest.json"  # sizes and hashes of the exported files, and the model settings
 MANIFEST_FORMAT = 1
-SPM_FILES = (("spm.model",), ("spm.src.model", "spm.tgt.model"))  # shared, or source and target
+EXPORT_AGAIN = "export the model again"
 VOCABULARIES = ("shared_vocabulary", "source_vocabulary", "target_vocabulary")  # CTranslate2's, .json or .txt
 T = TypeVar("T", bound="CTranslate2Translator")
 
@@ -120,7 +120,7 @@ class CTranslate2Translator(TextTranslator):
             raise UserError(f"{path} is not a CTranslate2 model directory (no model.bin); seq2seq export writes one")
         config = _read_config(path, list(overrides))
         check_files(path, config)
-        tokenizer = _read_tokenizer(path)
+        tokenizer = read_tokenizer(path, EXPORT_AGAIN)
         _check_vocabulary_sizes(path, tokenizer)
         if decode:
             raw = to_dict(config)
@@ -255,26 +255,6 @@ def _read_config(path: Path, overrides: list[str]) -> ExperimentConfig:
     return load_config(path / CONFIG, overrides)
 
 
-def _tokenizer_files(path: Path) -> list[Path]:
-    for names in SPM_FILES:
-        if all((path / name).exists() or (path / name).is_symlink() for name in names):
-            return [path / name for name in names]
-    raise UserError(f"{path} has no SentencePiece model (spm.model, or spm.src.model and spm.tgt.model)")
-
-
-def _read_tokenizer(path: Path) -> Tokenizer:
-    files = _tokenizer_files(path)
-    for file in files:
-        if not is_regular_file(file):
-            raise UserError(f"{file} is not a regular file (a symbolic link?); export the model again")
-    try:
-        return Tokenizer(*(file.read_bytes() for file in files))
-    except (RuntimeError, OSError) as e:
-        raise UserError(
-            f"{files[0]}: not a readable SentencePiece model ({str(e)[:80]}); export the model again"
-        ) from None
-
-
 def _vocabulary_files(path: Path) -> list[Path]:
     return [
         path / f"{name}.{ext}" for name in VOCABULARIES for ext in ("json", "txt") if (path / f"{name}.{ext}").exists()
@@ -299,7 +279,7 @@ def check_files(path: Path, config: ExperimentConfig) -> None:
                     "have them checked", path, MANIFEST)  # fmt: skip
         return
     manifest = _read_manifest(path)
-    read = [path / "model.bin", path / "config.json", *_tokenizer_files(path), *_vocabulary_files(path)]
+    read = [path / "model.bin", path / "config.json", *tokenizer_files(path, EXPORT_AGAIN), *_vocabulary_files(path)]
     for file in read:
         entry = manifest["files"].get(file.name)
         if entry is None:

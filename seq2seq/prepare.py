@@ -45,10 +45,10 @@ import numpy as np
 
 from seq2seq import interrupt
 from seq2seq.config import DataConfig
-from seq2seq.data import find_file, no_pairs, split_files, split_pairs
+from seq2seq.data import EMPTY, dropped_as, find_file, no_pairs, split_files, split_pairs
 from seq2seq.errors import ConfigError, DataError
 from seq2seq.owned import check_replaceable, is_regular_file, make_temporary, remove_temporary, replace_directory
-from seq2seq.tokenizer import Tokenizer, read_tokenizer, tag_line, train_tokenizer
+from seq2seq.tokenizer import Tokenizer, read_spm_models, read_tokenizer, tag_line, tokenizer_files, train_tokenizer
 from seq2seq.vocab import EOS
 
 log = logging.getLogger("seq2seq.prepare")
@@ -281,7 +281,7 @@ def given_tokenizer(d: DataConfig) -> Tokenizer | None:
     paths = d.given_spm_models()
     if not paths:
         return None
-    tokenizer = read_tokenizer(paths)
+    tokenizer = read_spm_models(paths)
     sizes = sorted({tokenizer.src_vocab_size, tokenizer.tgt_vocab_size})
     log.info("using the SentencePiece model %s: %s pieces (its size, not data.vocab_size=%d)",
              " and ".join(paths), " and ".join(map(str, sizes)), d.vocab_size)  # fmt: skip
@@ -416,8 +416,9 @@ def encode_chunk(task: tuple[Path, str, int, int, int, str]) -> tuple[np.ndarray
     assert _worker_tokenizer is not None
     src = _worker_tokenizer.encode_src(text_lines(directory, name, "src", start, end))
     tgt = _worker_tokenizer.encode_tgt(text_lines(directory, name, "tgt", start, end))
-    kept = [i for i, (s, t) in enumerate(zip(src, tgt)) if s and t and len(s) <= max_len and len(t) <= max_len]
-    empty = sum(1 for s, t in zip(src, tgt) if not s or not t)
+    reasons = [dropped_as(s, t, max_len) for s, t in zip(src, tgt)]
+    kept = [i for i, reason in enumerate(reasons) if not reason]
+    empty = reasons.count(EMPTY)
     out: list[np.ndarray] = []
     for side in (src, tgt):
         out.append(np.fromiter((x for i in kept for x in side[i] + [EOS]), dtype=dtype))
@@ -599,18 +600,9 @@ def _open_manifest(directory: Path) -> dict[str, Any]:
 
 def _load_tokenizer(directory: Path, expected: str) -> Tokenizer:
     """The SentencePiece model(s) of a prepared directory, checked against the hash its manifest records."""
-    shared = directory / "spm.model"
-    paths = (
-        [shared] if shared.exists() or shared.is_symlink() else [directory / f"spm.{s}.model" for s in ("src", "tgt")]
-    )
     damaged = f"delete {directory} and run `seq2seq prepare` to prepare it again"
-    for path in paths:
-        if not is_regular_file(path):
-            raise DataError(f"{path}: missing or not a regular file; {damaged}")
-    try:
-        tokenizer = Tokenizer(*(path.read_bytes() for path in paths))
-    except (RuntimeError, OSError) as e:
-        raise DataError(f"{paths[0]}: not a readable SentencePiece model ({str(e)[:80]}); {damaged}") from None
+    tokenizer = read_tokenizer(directory, damaged, DataError)
     if tokenizer_hash(tokenizer) != expected:
-        raise DataError(f"{paths[0]}: not the SentencePiece model the data was encoded with (replaced?); {damaged}")
+        first = tokenizer_files(directory, damaged, DataError)[0]
+        raise DataError(f"{first}: not the SentencePiece model the data was encoded with (replaced?); {damaged}")
     return tokenizer

@@ -4,6 +4,7 @@
     RUN/spm.model               the SentencePiece model (spm.src/tgt.model when not shared)
     RUN/train.log               the log, appended across resumes
     RUN/tb/                     TensorBoard events
+    RUN/metrics.jsonl           one JSON object per log event, appended across resumes
     RUN/checkpoint_last.pt      the commit point of a resume
     RUN/checkpoint_best.pt      the best validation score so far
     RUN/checkpoint_step{N}.pt   the last train.keep_last validation checkpoints
@@ -73,6 +74,10 @@ class RunDirectory:
     @property
     def tensorboard(self) -> Path:
         return self.path / "tb"
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / "metrics.jsonl"
 
     @property
     def run_id_file(self) -> Path:

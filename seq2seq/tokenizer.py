@@ -17,6 +17,7 @@ from pathlib import Path
 import sentencepiece as spm
 
 from seq2seq.errors import UserError
+from seq2seq.owned import is_regular_file
 from seq2seq.vocab import BOS, EOS, PAD, UNK
 
 TAG = re.compile(r"<2(.+)>")
@@ -104,7 +105,7 @@ class Tokenizer:
             (run_dir / "spm.tgt.model").write_bytes(self.tgt_proto)
 
 
-def read_tokenizer(paths: Sequence[str | Path]) -> Tokenizer:
+def read_spm_models(paths: Sequence[str | Path]) -> Tokenizer:
     """An existing SentencePiece model (one path) or one per side (two), checked to use this project's special ids."""
     protos = []
     for path in paths:
@@ -126,6 +127,29 @@ def read_tokenizer(paths: Sequence[str | Path]) -> Tokenizer:
             )
         protos.append(proto)
     return Tokenizer(*protos)
+
+
+TOKENIZER_FILES = (("spm.model",), ("spm.src.model", "spm.tgt.model"))  # Tokenizer.save's: shared, or per side
+
+
+def tokenizer_files(directory: Path, remedy: str, error: type[UserError] = UserError) -> list[Path]:
+    """The SentencePiece model files `Tokenizer.save` wrote into a directory (present, perhaps as links)."""
+    for names in TOKENIZER_FILES:
+        if all((directory / name).exists() or (directory / name).is_symlink() for name in names):
+            return [directory / name for name in names]
+    raise error(f"{directory} has no SentencePiece model (spm.model, or spm.src.model and spm.tgt.model); {remedy}")
+
+
+def read_tokenizer(directory: Path, remedy: str, error: type[UserError] = UserError) -> Tokenizer:
+    """The tokenizer `Tokenizer.save` wrote into a directory; each error names the file and ends with `remedy`."""
+    files = tokenizer_files(directory, remedy, error)
+    for file in files:
+        if not is_regular_file(file):
+            raise error(f"{file} is not a regular file (a symbolic link?); {remedy}")
+    try:
+        return Tokenizer(*(file.read_bytes() for file in files))
+    except (RuntimeError, OSError) as e:
+        raise error(f"{files[0]}: not a readable SentencePiece model ({str(e)[:80]}); {remedy}") from None
 
 
 def train_tokenizer(

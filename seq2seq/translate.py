@@ -35,7 +35,7 @@ from seq2seq.vocab import EOS, PAD
 
 log = logging.getLogger(__name__)
 
-Progress = Callable[[int], None]
+TranslateProgress = Callable[[int], None]
 """Called with the number of lines just translated (e.g. a progress bar's `update`)."""
 
 
@@ -96,7 +96,9 @@ class TextTranslator:
         translator.decode = replace_checked(self.decode, changes, "decode settings", "decode.")
         return translator
 
-    def translate(self, lines: Sequence[str], progress: Progress | None = None, tgt_lang: str = "") -> list[str]:
+    def translate(
+        self, lines: Sequence[str], progress: TranslateProgress | None = None, tgt_lang: str = ""
+    ) -> list[str]:
         """Best translation of each line (into `tgt_lang`, for a model of several target languages)."""
         return [t.text for t in self.translate_full(lines, progress=progress, tgt_langs=[tgt_lang] * len(lines))]
 
@@ -105,7 +107,7 @@ class TextTranslator:
         lines: Sequence[str],
         first_line: int = 1,
         prefixes: Sequence[str] | None = None,
-        progress: Progress | None = None,
+        progress: TranslateProgress | None = None,
         tgt_langs: Sequence[str] | None = None,
     ) -> list[Translation]:
         """Translations with n-best hypotheses, scores and token log-probabilities, in input order.

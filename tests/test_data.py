@@ -13,9 +13,12 @@ import torch
 from conftest import reversal_pairs
 
 from seq2seq.data import (
+    EMPTY,
+    TOO_LONG,
     EncodedCorpus,
     bucket,
     collate,
+    dropped_as,
     encode_corpus,
     find_file,
     make_batches,
@@ -260,3 +263,10 @@ def test_separate_vocabularies() -> None:
     assert not tok.shared
     assert tok.decode_tgt(tok.encode_tgt(["zzz xxx"])[0]) == "zzz xxx"
     assert tok.src.piece_to_id("▁xxx") in (UNK, tok.src.unk_id())  # target words are not in the source model
+
+
+def test_one_rule_drops_empty_and_over_long_pairs() -> None:
+    """The rule the in-memory corpus, `seq2seq prepare` and sampled segmentations share (EOS not counted)."""
+    assert dropped_as([5, 6], [6, 7], 2) == ""
+    assert dropped_as([], [6], 2) == EMPTY and dropped_as([5], [], 2) == EMPTY and dropped_as([], [], 0) == EMPTY
+    assert dropped_as([5, 6, 7], [6], 2) == TOO_LONG and dropped_as([5], [6, 7, 8], 2) == TOO_LONG

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from seq2seq.training import monitor
-from seq2seq.training.monitor import Meter
+from seq2seq.training.monitor import Meter, MetricsFile, read_metrics
 
 
 class Clock:
@@ -87,3 +88,22 @@ def test_log_starts_a_new_window(clock: Clock) -> None:
     empty = FakeWriter()
     meter.log(empty, step=3)  # a window without updates divides by nothing
     assert empty.scalars["train/loss"] == (0.0, 3) and empty.scalars["train/grad_norm"] == (0.0, 3)
+
+
+def test_metrics_keep_the_last_record_of_each_event_and_step(tmp_path: Path) -> None:
+    """A resumed run logs the steps after its checkpoint again; a kill can cut the last line short."""
+    path = tmp_path / "metrics.jsonl"
+    metrics = MetricsFile(path)
+    metrics.write("train", 1, 1, loss=3.0)
+    metrics.write("train", 2, 1, loss=2.5)
+    metrics.write("valid", 2, 1, loss=2.4, bleu=float("nan"))
+    metrics.write("start", 1, 1, parameters=7)  # resumed from step 1
+    metrics.write("train", 2, 1, loss=2.6)
+    with open(path, "a") as f:
+        f.write('{"event": "train", "st')
+    records = read_metrics(path)
+    assert [(r["event"], r["step"]) for r in records] == [("train", 1), ("start", 1), ("valid", 2), ("train", 2)]
+    assert records[-1]["loss"] == 2.6 and records[2]["bleu"] is None  # JSON has no NaN
+    assert read_metrics(tmp_path / "missing.jsonl") == []
+    MetricsFile(None).write("train", 3, 1, loss=1.0)  # ranks other than 0 write nothing
+    assert len(path.read_text().splitlines()) == 6

@@ -29,11 +29,26 @@ def run_script(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[
     return proc
 
 
-def test_plot_curves_draws_a_png_from_the_runs_tensorboard_events(trained_run: Path, tmp_path: Path) -> None:
+def test_plot_curves_draws_a_png_from_the_runs_metrics(trained_run: Path, tmp_path: Path) -> None:
     output = tmp_path / "plots" / "curves.png"  # a directory that does not exist yet
     proc = run_script("plot_curves.py", str(trained_run), "-o", str(output), cwd=tmp_path)
     assert str(output) in proc.stdout
     assert output.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+@pytest.mark.parametrize("what", ["missing", "empty"])
+def test_plot_curves_without_metrics_is_one_line(what: str, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    if what == "empty":
+        run.mkdir()
+        (run / "metrics.jsonl").write_text('{"event": "start", "step": 0, "epoch": 1, "parameters": 10}\n')
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "plot_curves.py"), str(run), "-o", str(tmp_path / "c.png")],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1 and str(run) in proc.stderr
+    assert not (tmp_path / "c.png").exists()
 
 
 def test_decode_grid_prints_one_row_per_beam_and_one_column_per_alpha(trained_run: Path, tmp_path: Path) -> None:
@@ -146,7 +161,7 @@ def test_lectures_table_reads_a_run_and_its_scores(
 
     run = tmp_path / "tiny"
     run.mkdir()
-    (run / "train.log").write_text((trained_run / "train.log").read_text())
+    (run / "metrics.jsonl").write_text((trained_run / "metrics.jsonl").read_text())
     assert main(["evaluate", "-c", str(trained_run / "checkpoint_best.pt"), "--threads", "1"]) == 0
     scores = capsys.readouterr().out
     (run / "test_scores.txt").write_text(scores)
@@ -162,11 +177,11 @@ def test_lectures_table_reads_a_run_and_its_scores(
     assert columns["test sacreBLEU"] == f"{float(bleu):.2f}" and columns["chrF"] == f"{float(chrf):.2f}"
     assert columns["same, greedy"] == "-"  # no test_scores_greedy.txt
 
-    (run / "train.log").write_text("")  # a run that never finished training is named, not skipped
+    (run / "metrics.jsonl").write_text("")  # a run that never finished training is named, not skipped
     failed = subprocess.run(
         [sys.executable, str(SCRIPTS / "lectures_table.py"), str(run)], capture_output=True, text=True
     )
-    assert failed.returncode != 0 and f"{run}: train.log has no finished training" in failed.stderr
+    assert failed.returncode != 0 and f"{run}: metrics.jsonl has no finished training" in failed.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the script runs the whole CUDA check")

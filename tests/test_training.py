@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -26,6 +27,7 @@ from seq2seq.data import Batch, collate_pairs
 from seq2seq.device import resolve_precision
 from seq2seq.errors import TrainingError
 from seq2seq.training import update as update_module
+from seq2seq.training.monitor import read_metrics
 from seq2seq.training.optim import lr_at
 from seq2seq.training.trainer import Trainer, train
 
@@ -323,7 +325,7 @@ def test_kill_9_leaves_only_complete_checkpoints_and_the_run_resumes(small: Path
     proc.send_signal(signal.SIGKILL)  # saving is continuous here, so this often lands mid-write
     proc.wait(timeout=60)
     expected = re.compile(
-        r"checkpoint_(last|best|step\d+)\.pt|config\.yaml|spm\.model|train\.log|tb|prepared|run_id|\.lock|\.checkpoint.*\.tmp"
+        r"checkpoint_(last|best|step\d+)\.pt|config\.yaml|spm\.model|train\.log|metrics\.jsonl|tb|prepared|run_id|\.lock|\.checkpoint.*\.tmp"
     )
     assert all(expected.fullmatch(name) for name in os.listdir(run)), os.listdir(run)
     for path in run.glob("checkpoint*.pt"):
@@ -456,3 +458,22 @@ def test_tensorboard_scalars_examples_and_log_file(small: Path, tmp_path: Path) 
     log = (run / "train.log").read_text()
     assert re.search(r"step 3: valid loss [\d.]+, nll [\d.]+, ppl [\d.]+, bleu [\d.]+", log)
     assert "step 6: valid" in log and "training finished at step 6" in log
+
+
+def test_metrics_jsonl_holds_every_log_event_appended_across_a_resume(small: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    settings = ("train.valid_bleu=true", "train.valid_every=3", "decode.max_len=12")
+    train(config(small, run, *settings, "train.max_steps=3"))
+    first = (run / "metrics.jsonl").read_text().splitlines()
+    train(config(small, run, *settings, "train.max_steps=6"))
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert lines[: len(first)] == first and len(lines) > len(first)  # appended, not rewritten
+    records = [json.loads(line) for line in lines]
+    steps = {event: [r["step"] for r in records if r["event"] == event] for event in ("start", "train", "valid")}
+    assert steps == {"start": [0, 3], "train": [1, 2, 3, 4, 5, 6], "valid": [3, 6]}
+    assert [(r["step"], r["reason"]) for r in records if r["event"] == "finish"] == [(3, "max_steps"), (6, "max_steps")]
+    start, step, valid = records[0], records[1], next(r for r in records if r["event"] == "valid")
+    assert start["parameters"] > 0 and start["epoch"] == 1
+    assert {"loss", "nll", "ppl", "lr", "grad_norm", "tokens_per_s"} <= step.keys() and step["epoch"] == 1
+    assert {"loss", "nll", "ppl", "bleu", "minutes"} <= valid.keys() and 0 <= valid["bleu"] <= 100
+    assert read_metrics(run / "metrics.jsonl") == sorted(records, key=lambda r: r["step"])

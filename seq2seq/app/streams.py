@@ -24,7 +24,7 @@ from seq2seq.inputs import Record
 
 if TYPE_CHECKING:
     from seq2seq.alignment import AttentionMap, LayerChoice
-    from seq2seq.translate import Progress, TextTranslator, Translation
+    from seq2seq.translate import TextTranslator, TranslateProgress, Translation
 
 T = TypeVar("T")
 
@@ -162,7 +162,7 @@ def translate_records(
     records: Iterable[Record],
     options: TranslateOptions,
     size: int = CHUNK_LINES,
-    progress: Progress | None = None,
+    progress: TranslateProgress | None = None,
 ) -> Iterator[list[str]]:
     """The output lines of each chunk of `size` records, chunk by chunk (pictures drawn on the way).
 
@@ -182,7 +182,7 @@ def translate_chunk(
     first: int,
     options: TranslateOptions,
     layer: LayerChoice,
-    progress: Progress | None = None,
+    progress: TranslateProgress | None = None,
 ) -> list[str]:
     """Translate, draw and align one chunk of records (lines first..); its output lines."""
     prefixes = [r.prefix for r in chunk] if any(r.prefix for r in chunk) else None

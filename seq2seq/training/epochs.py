@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from seq2seq.config import DataConfig
-from seq2seq.data import Batch, bucket, collate_pairs
+from seq2seq.data import Batch, bucket, collate_pairs, dropped_as
 from seq2seq.prepare import PreparedCorpus, training_sets
 from seq2seq.tokenizer import Sampling
 from seq2seq.vocab import EOS
@@ -117,8 +117,7 @@ class EpochSource:
         src = self.tokenizer.encode_src([s for s, _ in text], sampling)
         tgt = self.tokenizer.encode_tgt([t for _, t in text], sampling)
         return [
-            (s + [EOS], t + [EOS]) if s and t and max(len(s), len(t)) <= d.max_len else pair
-            for s, t, pair in zip(src, tgt, best)
+            (s + [EOS], t + [EOS]) if not dropped_as(s, t, d.max_len) else pair for s, t, pair in zip(src, tgt, best)
         ]
 
     def loader(self, epoch: int, start: int) -> Generator[Batch, None, None]:

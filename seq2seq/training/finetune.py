@@ -17,10 +17,9 @@ from pathlib import Path
 import torch
 
 from seq2seq import checkpoint as ckpt
-from seq2seq.config import ExperimentConfig, to_dict
+from seq2seq.config import ExperimentConfig, config_changes, to_dict
 from seq2seq.errors import CheckpointError, ConfigError
 from seq2seq.run_dir import RunDirectory
-from seq2seq.training.setup import config_changes
 
 log = logging.getLogger("seq2seq.train")
 

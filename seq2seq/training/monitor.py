@@ -1,10 +1,11 @@
-"""What a run shows: running statistics, TensorBoard scalars, progress bars, the log file.
+"""What a run shows: running statistics, TensorBoard scalars, metrics.jsonl, progress bars, the log file.
 
 Only rank 0 writes any of it; the trainer passes `None` writers elsewhere.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -39,8 +40,8 @@ class Meter:
         self.updates += 1
         self.lr = stats["lr"]
 
-    def log(self, writer: Any, step: int) -> str:
-        """Write the averages to TensorBoard and the log file; return a short progress-bar text."""
+    def log(self, writer: Any, step: int, metrics: MetricsFile | None = None, epoch: int = 0) -> str:
+        """Write the averages to TensorBoard, metrics.jsonl and the log file; return a short progress-bar text."""
         seconds = max(time.monotonic() - self.start, 1e-9)
         loss, nll = self.loss / max(self.tokens, 1), self.nll / max(self.tokens, 1)
         values = {
@@ -54,6 +55,8 @@ class Meter:
         if writer is not None:
             for name, value in values.items():
                 writer.add_scalar(f"train/{name}", value, step)
+        if metrics is not None:
+            metrics.write("train", step, epoch, **values)
         log.debug(
             "step %d: loss %.3f, nll %.3f, lr %.2e, grad norm %.2f, %.0f tokens/s",
             step,
@@ -65,6 +68,50 @@ class Meter:
         )
         self.reset()
         return f"loss={loss:.3f}, lr={values['lr']:.2e}, tok/s={values['tokens_per_s']:.0f}"
+
+
+class MetricsFile:
+    """RUN/metrics.jsonl: one JSON object a line per log event, for programs to read instead of the log's words.
+
+    Events: "start" (parameters), "train" (loss, nll, ppl, lr, grad_norm, tokens_per_s), "valid" (loss, nll,
+    ppl, bleu when decoded, minutes of training) and "finish" (reason), each with its step and epoch.
+    Appended across resumes: a resumed run logs the steps after its checkpoint again, so `read_metrics`
+    keeps the last record of each event and step. `path` None (ranks other than 0) writes nothing.
+    """
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+
+    def write(self, event: str, step: int, epoch: int, **values: float | str) -> None:
+        if self.path is None:
+            return
+        record = {"event": event, "step": step, "epoch": epoch, **{k: _finite(v) for k, v in values.items()}}
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def _finite(value: float | str) -> float | str | None:
+    """JSON has no NaN or infinity (a diverged loss): null instead."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl in step order, the last one of each event and step.
+
+    A line cut short by a kill is skipped; a file that is not there or holds no record gives [].
+    """
+    latest: dict[tuple[str, int], dict[str, Any]] = {}
+    lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            key = (str(record.get("event")), record["step"])
+            latest.pop(key, None)  # a later record of the same step replaces it, in its place
+            latest[key] = record
+    return sorted(latest.values(), key=lambda r: int(r["step"]))
 
 
 def progress(total: int, initial: int, desc: str, enabled: bool) -> Any:

@@ -5,13 +5,12 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from seq2seq.checkpoint import Checkpoint, Progress
-from seq2seq.config import DataConfig, ExperimentConfig, TrainConfig, to_dict
+from seq2seq.config import DataConfig, ExperimentConfig, TrainConfig, config_changes, to_dict
 from seq2seq.data import encode_corpus, read_parallel, read_split
 from seq2seq.device import resolve_device, resolve_precision
 from seq2seq.errors import TrainingError
@@ -161,15 +160,3 @@ def check_resumable(resume: Checkpoint, cfg: ExperimentConfig, run: RunDirectory
         model = build_model(cfg.model, resume.tokenizer.src_vocab_size, resume.tokenizer.tgt_vocab_size)
     resume.check_resumable_into(build_optimizer(model, cfg.train), None, str(run.last))
     return [f"{key}: {old} -> {new}" for key, old, new in changes]
-
-
-def config_changes(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[tuple[str, Any, Any]]:
-    """(key, old, new) for each setting that differs between two config dicts."""
-    out = []
-    for key in sorted(set(old) | set(new)):
-        a, b = old.get(key), new.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += config_changes(a, b, f"{prefix}{key}.")
-        elif a != b:
-            out.append((f"{prefix}{key}", a, b))
-    return out

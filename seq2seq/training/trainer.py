@@ -96,9 +96,13 @@ class Trainer:
             save_config(cfg, self.run.config)
             self.tokenizer.save(self.run.path)
             self.writer = monitor.tensorboard(self.run.tensorboard, self.progress.step)
+        self.metrics = monitor.MetricsFile(self.run.metrics if self.main else None)
         self.meter, self.stop, self.start_time = monitor.Meter(), Interrupts(library_checks=False), time.monotonic()
-        params = sum(p.numel() for p in self.model.parameters()) / 1e6
-        log.info("model: %.2fM parameters; %s, %s, %d process(es)", params, self.device, precision, dist.world_size())
+        params = sum(p.numel() for p in self.model.parameters())
+        self.metrics.write("start", self.progress.step, self.progress.epoch, parameters=params)
+        log.info(
+            "model: %.2fM parameters; %s, %s, %d process(es)", params / 1e6, self.device, precision, dist.world_size()
+        )
 
     def _claim_run_dir(self) -> tuple[Checkpoint | None, list[str], Checkpoint | None]:
         """Lock the run directory (rank 0), check what is there (or the parent of a fine-tuning run), then log
@@ -172,7 +176,7 @@ class Trainer:
         t, step = self.cfg.train, self.progress.step
         self.meter.add(stats)
         if step % t.log_every == 0:
-            bar.set_postfix_str(self.meter.log(self.writer, step), refresh=False)
+            bar.set_postfix_str(self.meter.log(self.writer, step, self.metrics, self.progress.epoch), refresh=False)
         if t.valid_every and step % t.valid_every == 0:
             self._validate_and_save()
         elif t.save_every and step % t.save_every == 0:
@@ -188,6 +192,7 @@ class Trainer:
             return
         if p.validated_step != p.step:
             self._validate_and_save()
+        self.metrics.write("finish", p.step, p.epoch, reason=reason)
         log.info("training finished at step %d, epoch %d (%s)", p.step, p.epoch, reason.replace("_", " "))
 
     def should_stop(self) -> str:
@@ -212,8 +217,9 @@ class Trainer:
         """Validate on rank 0, update the early-stopping state on every rank; True if this is the best yet."""
         p, improved = self.progress, False
         if self.main:
-            scores = self.validator()
-            monitor.log_validation(self.writer, p.step, scores, self.elapsed() / 60, self.validator.examples)
+            scores, minutes = self.validator(), self.elapsed() / 60
+            monitor.log_validation(self.writer, p.step, scores, minutes, self.validator.examples)
+            self.metrics.write("valid", p.step, p.epoch, **scores, minutes=minutes)
             improved = self.policy.record(p, scores)
         p.validated_step = p.step
         shared = dist.broadcast_from_main([p.best, p.best_metric, p.bad_validations, improved])
