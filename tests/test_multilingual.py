@@ -134,7 +134,7 @@ def test_evaluate_scores_one_pair_at_a_time(multi_run: Path, capsys: pytest.Capt
     assert bleu > 80
     assert main(["evaluate", "-c", checkpoint, "--threads", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["seq2seq: config error: this model translates several pairs (src-rev, src-same): give --tgt-lang"]
+    assert err == ["seq2seq: usage error: this model translates several pairs (src-rev, src-same): give --tgt-lang"]
 
 
 def test_the_server_takes_a_target_language_per_request(multi_run: Path) -> None:
