@@ -163,11 +163,12 @@ def test_evaluate_stops_inside_a_decode_step(trained_run: Path, corpus: Path) ->
 def test_training_saves_and_resumes_after_a_signal_anywhere(
     corpus: Path, tmp_path: Path, where: str, sig: signal.Signals
 ) -> None:
-    """Armed after the second checkpoint write (one each update): inside the third, or in the next collection."""
+    """Armed after the second update's saves (a step checkpoint and checkpoint_last each update): inside the
+    fourth write, or in the next collection."""
     run = tmp_path / "run"
     fast = ["train.valid_bleu=false", "train.max_tokens=256", "train.max_steps=200", "train.threads=1"]
     argv = ["train", "--config", str(TINY), *tiny_overrides(corpus, run, *fast, "train.save_every=1")]
-    proc = run_driver(argv, sig, where, arm="torch:save", after=2)
+    proc = run_driver(argv, sig, where, arm="torch:save", after=4)
     assert proc.returncode == 128 + sig, proc.stderr
     assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
     assert f"stopped by {sig.name}; run the same command to resume" in proc.stderr
