@@ -41,7 +41,7 @@ if sys.argv[1] == "exact":
 from seq2seq.cli import main
 sys.exit(main(sys.argv[2:]))
 """
-STEP_LINE = re.compile(r"^(\S+ \S+) DEBUG step (\d+): .* ([\d.]+) tokens/s$")
+STEP_LINE = re.compile(r"^(\S+ \S+) (?:DEBUG|INFO) step (\d+): .* ([\d.]+) tokens/s$")
 
 
 def main() -> None:

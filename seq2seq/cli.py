@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from seq2seq import interrupt
+from seq2seq.app.logs import setup_logging
 from seq2seq.config import config_yaml, load_config
 from seq2seq.errors import ConfigError, UsageError, UserError
 from seq2seq.serve import options as serve_options
@@ -35,7 +36,7 @@ log = logging.getLogger("seq2seq")
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    _setup_logging(args.verbose)
+    setup_logging(args.verbose)
     try:
         return args.run(args)
     except ConfigError as e:  # a config key, or (UsageError) a command-line flag
@@ -208,25 +209,6 @@ def _add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("overrides", nargs="*", metavar="decode.key=value", help="decoding overrides")
 
 
-def _setup_logging(verbose: bool) -> None:
-    for old in [h for h in log.handlers if isinstance(h, _TqdmHandler)]:
-        log.removeHandler(old)  # main() may run many times in one process (tests, notebooks)
-    handler = _TqdmHandler()
-    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s" if verbose else "%(message)s"))
-    handler.setLevel(logging.DEBUG if verbose else logging.INFO)
-    log.addHandler(handler)
-    log.setLevel(logging.DEBUG)
-
-
-class _TqdmHandler(logging.Handler):
-    """Log lines that do not break progress bars."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        from tqdm import tqdm
-
-        tqdm.write(self.format(record), file=sys.stderr)
-
-
 # Subcommands.
 
 
@@ -239,19 +221,9 @@ def _download(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)
-    from seq2seq.training.distributed import peer_failures
-    from seq2seq.training.trainer import Trainer
+    from seq2seq.app.runs import train
 
-    try:
-        with peer_failures():
-            trainer = Trainer(cfg)
-            trainer.fit()
-    except KeyboardInterrupt as e:  # before training started, or a second Ctrl-C
-        return interrupt.report(e, "; checkpoint_last.pt (if any) holds the last saved state")
-    if trainer.stop.received:
-        print(f"seq2seq: stopped by {trainer.stop.received.name}; run the same command to resume", file=sys.stderr)
-    return trainer.stop.exit_code
+    return train(load_config(args.config, args.overrides))
 
 
 def _prepare(args: argparse.Namespace) -> int:

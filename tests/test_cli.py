@@ -291,3 +291,16 @@ def test_a_flag_is_a_usage_error_and_a_key_a_config_error(capsys: pytest.Capture
     assert capsys.readouterr().err == "seq2seq: usage error: --bootstrap must be at least 1, got 0\n"
     assert main(["train", "--config", str(TINY), "train.no_such_key=1"]) == 2
     assert capsys.readouterr().err.startswith("seq2seq: config error: ")
+
+
+def test_training_into_a_redirected_stderr_writes_log_lines_not_a_bar(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A log file or a pipe gets one line per logged step, not a progress bar redrawn into one endless line."""
+    from conftest import write_corpus
+
+    corpus = write_corpus(tmp_path / "corpus", n_train=200)
+    overrides = tiny_overrides(corpus, tmp_path / "run", "train.max_steps=3", "train.log_every=1", "train.threads=1")
+    assert main(["train", "--config", str(TINY), *overrides, "train.valid_bleu=false"]) == 0
+    err = capsys.readouterr().err
+    assert "step 3: loss" in err and "upd/s" not in err and "\r" not in err

@@ -1,7 +1,7 @@
 """Crafted or careless input through the real `seq2seq` command: never a hang, a memory blow-up or a traceback.
 
-Each case runs `python -m seq2seq` in a child process and checks the contract of
-the README's "Bad input" section: the documented exit code (2: config, 1: other
+Each case runs `python -m seq2seq` in a child process and checks the bad-input
+contract of docs/guide.md ("Using it"): the documented exit code (2: config, 1: other
 input, 130: interrupted), no traceback, at most 3 lines on stderr, and every file
 that existed before left as it was. The crafted files are small: a checkpoint
 whose pickle shares one list a billion times weighs a few KB.

@@ -1,16 +1,34 @@
-"""Work on a run directory outside training: preparing its data, averaging its checkpoints."""
+"""Work on a run directory: training it, preparing its data, averaging its checkpoints."""
 
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from seq2seq import interrupt
 from seq2seq.app.files import refuse_overwriting
 from seq2seq.config import MAX_THREADS, ExperimentConfig
 from seq2seq.errors import UsageError, UserError
 
 log = logging.getLogger("seq2seq")
+
+
+def train(cfg: ExperimentConfig) -> int:
+    """Train (or resume) a run; the exit code: 0 when it ended by itself, 128 + the signal that stopped it."""
+    from seq2seq.training.distributed import peer_failures
+    from seq2seq.training.trainer import Trainer
+
+    try:
+        with peer_failures():
+            trainer = Trainer(cfg)
+            trainer.fit()
+    except KeyboardInterrupt as e:  # before training started, or a second Ctrl-C
+        return interrupt.report(e, "; checkpoint_last.pt (if any) holds the last saved state")
+    if trainer.stop.received:
+        print(f"seq2seq: stopped by {trainer.stop.received.name}; run the same command to resume", file=sys.stderr)
+    return trainer.stop.exit_code
 
 
 def prepare_data(cfg: ExperimentConfig, workers: int = 0) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,8 @@ class Meter:
                 writer.add_scalar(f"train/{name}", value, step)
         if metrics is not None:
             metrics.write("train", step, epoch, **values)
-        log.debug(
+        log.log(
+            logging.DEBUG if on_terminal() else logging.INFO,  # without a bar, these lines show the progress
             "step %d: loss %.3f, nll %.3f, lr %.2e, grad norm %.2f, %.0f tokens/s",
             step,
             loss,
@@ -114,13 +116,18 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return sorted(latest.values(), key=lambda r: int(r["step"]))
 
 
+def on_terminal() -> bool:
+    """Whether stderr is a terminal: a redirected one (a log file, a pipe) gets log lines, not a progress bar
+    redrawn into one endless line."""
+    return sys.stderr is not None and sys.stderr.isatty()
+
+
 def progress(total: int, initial: int, desc: str, enabled: bool) -> Any:
-    """A tqdm bar with ETA (disabled on ranks other than 0)."""
+    """A tqdm bar with ETA, on a terminal and on rank 0 only."""
     from tqdm import tqdm
 
-    return tqdm(
-        total=total, initial=initial, desc=desc, unit="upd", disable=not enabled, dynamic_ncols=True, leave=False
-    )
+    shown = enabled and on_terminal()
+    return tqdm(total=total, initial=initial, desc=desc, unit="upd", disable=not shown, dynamic_ncols=True, leave=False)
 
 
 def tensorboard(directory: Path, resume_step: int) -> Any:
