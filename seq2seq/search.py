@@ -307,14 +307,11 @@ def beam_step(scores: Tensor, logprobs: Tensor, beam_size: int = 0) -> BeamStep:
     """
     B, R = scores.shape
     K = beam_size or R
-    n = min(2 * K, logprobs.shape[-1])
-    # A sentence's 2K best candidates are among each row's 2K best tokens: add the row scores to those
-    # (B * R, n) only, not to the whole (B * R, V) distribution.
-    row_best, row_tokens = logprobs.topk(n, dim=1)
-    candidates = (scores.reshape(B * R, 1) + row_best).view(B, R * n)
-    top_scores, top_index = candidates.topk(min(2 * K, R * n), dim=1)  # (B, 2K), best first
-    top_tokens = row_tokens.view(B, R * n).gather(1, top_index)
-    top_rows = torch.div(top_index, n, rounding_mode="floor") + torch.arange(B, device=scores.device)[:, None] * R
+    V = logprobs.shape[-1]
+    candidates = (scores[:, :, None] + logprobs.view(B, R, V)).view(B, R * V)
+    top_scores, top_index = candidates.topk(min(2 * K, R * V), dim=1)  # (B, 2K), best first
+    top_tokens = top_index % V
+    top_rows = top_index // V + torch.arange(B, device=scores.device)[:, None] * R
     finite = torch.isfinite(top_scores)
     is_eos = top_tokens == EOS
     rank = torch.arange(top_scores.shape[1], device=scores.device)
