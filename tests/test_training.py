@@ -263,8 +263,11 @@ def test_resuming_a_finished_run_changes_nothing(small: Path, tmp_path: Path) ->
 
 def test_resume_refuses_a_different_model(small: Path, tmp_path: Path) -> None:
     train(config(small, tmp_path / "run", "train.max_steps=1"))
-    with pytest.raises(TrainingError, match="does not match its checkpoint"):
-        Trainer(config(small, tmp_path / "run", "model.d_model=32"))
+    with pytest.raises(TrainingError, match="does not match its checkpoint") as refused:
+        Trainer(config(small, tmp_path / "run", "model.d_model=32", "model.transformer.d_ff=64"))
+    message = str(refused.value)
+    assert "model.d_model is 32" in message and "(and model.transformer.d_ff)" in message
+    assert message.endswith("choose another train.run_dir")
     assert not [h for h in logging.getLogger("seq2seq").handlers if isinstance(h, logging.FileHandler)]
 
 

@@ -150,12 +150,17 @@ def check_resumable(resume: Checkpoint, cfg: ExperimentConfig, run: RunDirectory
     if resume.training is None:
         raise TrainingError(f"{run.last} has no training state to resume from")
     changes = config_changes(to_dict(resume.config), to_dict(cfg))
-    for key, old, new in changes:
-        if key.startswith(FIXED_ON_RESUME) and key not in FREE_ON_RESUME:
-            raise TrainingError(
-                f"cannot resume {run.path}: the config does not match its checkpoint: {key} is {new}, but the run "
-                f"was started with {old} and its tokenizer, data and weights depend on it"
-            )
+    fixed = [
+        (key, old, new) for key, old, new in changes if key.startswith(FIXED_ON_RESUME) and key not in FREE_ON_RESUME
+    ]
+    if fixed:
+        key, old, new = fixed[0]
+        others = f" (and {', '.join(k for k, _, _ in fixed[1:])})" if fixed[1:] else ""
+        raise TrainingError(
+            f"cannot resume {run.path}: the config does not match its checkpoint: {key} is {new}, but the run "
+            f"was started with {old} and its tokenizer, data and weights depend on it{others}; for a new run with "
+            "these settings, choose another train.run_dir"
+        )
     with torch.device("meta"):  # the model and optimizer being resumed, without memory: refuse before any log
         model = build_model(cfg.model, resume.tokenizer.src_vocab_size, resume.tokenizer.tgt_vocab_size)
     resume.check_resumable_into(build_optimizer(model, cfg.train), None, str(run.last))
