@@ -99,14 +99,13 @@ def _check_exportable(stored: Checkpoint) -> None:
     settings: list[tuple[str, str, tuple[str, ...]]] = [("model.arch", m.arch, ("transformer",))]
     if t is not None:
         settings += [
-            ("model.transformer.norm_type", t.norm_type, ("layernorm",)),
             ("model.transformer.positions", t.positions, ("sinusoidal", "learned")),
         ]
     for key, value, exportable in settings:
         if value not in exportable:
             raise ExportError(
-                f"{key}={value} does not export to CTranslate2 yet (exported: the Transformer with LayerNorm and "
-                "sinusoidal or learned positions)"
+                f"{key}={value} does not export to CTranslate2 yet (exported: the Transformer with LayerNorm or "
+                "RMSNorm and sinusoidal or learned positions)"
             )
 
 
@@ -133,18 +132,20 @@ def _spec(specs: Any, stored: Checkpoint, model: Seq2SeqTransformer) -> Any:
         t.n_heads,
         pre_norm=t.norm == "pre",
         activation=gelu if t.activation == "gelu" else relu,
+        rms_norm=t.norm_type == "rmsnorm",
     )
     _set_encoder(spec.encoder, model.encoder)
     _set_decoder(spec.decoder, model.decoder)
     spec.register_source_vocabulary(_pieces(stored.tokenizer, source=True))
     spec.register_target_vocabulary(_pieces(stored.tokenizer, source=False))
     spec.config.add_source_eos = True  # sources end with EOS, as in training
-    spec.config.layer_norm_epsilon = _norm_epsilon(model)  # CTranslate2's default (1e-6) is not torch's
+    spec.config.layer_norm_epsilon = _norm_epsilon(model)  # CTranslate2's default (1e-6) is not ours (1e-5)
     return spec
 
 
 def _norm_epsilon(model: Seq2SeqTransformer) -> float:
-    (eps,) = {m.eps for m in model.modules() if isinstance(m, nn.LayerNorm)}  # one value in every layer
+    (eps,) = {m.eps for m in model.modules() if isinstance(m, NORMS)}  # one value in every layer
+    assert eps is not None, "an explicit epsilon (RMSNorm's would otherwise depend on the dtype)"
     return float(eps)
 
 
@@ -166,8 +167,16 @@ def _set_linear(spec: Any, weight: Tensor, bias: Tensor | None) -> None:
         spec.bias = _array(bias)
 
 
+NORMS = (nn.LayerNorm, nn.RMSNorm)
+
+
 def _set_norm(spec: Any, norm: nn.Module) -> None:
-    assert isinstance(norm, nn.LayerNorm), "only LayerNorm exports"
+    """LayerNorm's scale and shift; RMSNorm's scale alone (the spec was made with rms_norm: it has no beta)."""
+    if isinstance(norm, nn.RMSNorm):
+        assert norm.weight is not None, "RMSNorm with a learnt scale"
+        spec.gamma = _array(norm.weight)
+        return
+    assert isinstance(norm, nn.LayerNorm), "LayerNorm or RMSNorm"
     spec.gamma, spec.beta = _array(norm.weight), _array(norm.bias)
 
 
@@ -207,7 +216,7 @@ def _set_encoder(spec: Any, encoder: Encoder) -> None:
         assert isinstance(layer, EncoderLayer)
         _set_self_attention(layer_spec.self_attention, layer.self_attn, layer.attn_block.norm)
         _set_ffn(layer_spec.ffn, layer.ffn, layer.ffn_block.norm)
-    if isinstance(encoder.final_norm, nn.LayerNorm):
+    if isinstance(encoder.final_norm, NORMS):
         _set_norm(spec.layer_norm, encoder.final_norm)
 
 
@@ -218,6 +227,6 @@ def _set_decoder(spec: Any, decoder: Decoder) -> None:
         _set_self_attention(layer_spec.self_attention, layer.self_attn, layer.self_block.norm)
         _set_cross_attention(layer_spec.attention, layer.cross_attn, layer.cross_block.norm)
         _set_ffn(layer_spec.ffn, layer.ffn, layer.ffn_block.norm)
-    if isinstance(decoder.final_norm, nn.LayerNorm):
+    if isinstance(decoder.final_norm, NORMS):
         _set_norm(spec.layer_norm, decoder.final_norm)
     _set_linear(spec.projection, decoder.output.weight, None)

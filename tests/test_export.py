@@ -102,6 +102,12 @@ VARIANTS = {
         "model.share_decoder_embeddings=false",
     ],
     "pre-sinusoidal-shared-gelu": ["model.transformer.norm=pre", "model.transformer.activation=gelu"],
+    "pre-rmsnorm": ["model.transformer.norm=pre", "model.transformer.norm_type=rmsnorm"],
+    "post-rmsnorm-learned": [
+        "model.transformer.norm=post",
+        "model.transformer.norm_type=rmsnorm",
+        "model.transformer.positions=learned",
+    ],
 }
 
 
