@@ -205,10 +205,11 @@ def test_at_once_raises_only_in_the_waiting_frame() -> None:
     assert interrupts.received == signal.SIGINT
 
 
-def test_a_library_caller_without_interrupts_has_no_safe_points_to_stop_at() -> None:
+def test_interrupts_without_library_checks_leave_library_safe_points_alone() -> None:
+    """A trainer's: a validation in progress runs on; the trainer itself reads `received` between updates."""
     with Interrupts(library_checks=False) as interrupts:
         _deliver()
-        interrupt.check()  # a trainer's validation runs on; the trainer itself asks `received`
+        interrupt.check()
         with interrupt.at_once():
             pass
     assert interrupts.received == signal.SIGINT
