@@ -94,19 +94,13 @@ def _write(ctranslate2: Any, spec: Any, stored: Checkpoint, out: Path, quantizat
 
 
 def _check_exportable(stored: Checkpoint) -> None:
-    """What this exporter maps onto CTranslate2's Transformer spec: the original Transformer's variants."""
-    m, t = stored.config.model, stored.config.model.transformer
-    settings: list[tuple[str, str, tuple[str, ...]]] = [("model.arch", m.arch, ("transformer",))]
-    if t is not None:
-        settings += [
-            ("model.transformer.positions", t.positions, ("sinusoidal", "learned")),
-        ]
-    for key, value, exportable in settings:
-        if value not in exportable:
-            raise ExportError(
-                f"{key}={value} does not export to CTranslate2 yet (exported: the Transformer with LayerNorm or "
-                "RMSNorm and sinusoidal or learned positions)"
-            )
+    """CTranslate2's Transformer spec takes every Transformer variant; it has no recurrent model."""
+    arch = stored.config.model.arch
+    if arch != "transformer":
+        raise ExportError(
+            f"model.arch={arch} does not export to CTranslate2: it has no specification for recurrent models "
+            "(every Transformer variant exports)"
+        )
 
 
 def _ct2_quantization(name: str) -> str | None:
@@ -127,13 +121,17 @@ def _spec(specs: Any, stored: Checkpoint, model: Seq2SeqTransformer) -> Any:
     t = stored.config.model.transformer
     assert t is not None, "_check_exportable refuses other architectures"
     gelu, relu = specs.common_spec.Activation.GELU, specs.common_spec.Activation.RELU
-    spec = specs.TransformerSpec.from_config(
-        (t.encoder_layers, t.decoder_layers),
-        t.n_heads,
-        pre_norm=t.norm == "pre",
-        activation=gelu if t.activation == "gelu" else relu,
-        rms_norm=t.norm_type == "rmsnorm",
-    )
+    options = {
+        "pre_norm": t.norm == "pre",
+        "activation": gelu if t.activation == "gelu" else relu,
+        "rms_norm": t.norm_type == "rmsnorm",
+        **_position_options(model),
+    }
+    encoder = specs.TransformerEncoderSpec(t.encoder_layers, t.n_heads, **options)
+    decoder = specs.TransformerDecoderSpec(t.decoder_layers, t.n_heads, **options)
+    if "rotary_dim" in options:  # the encoder spec keeps a table for absolute encodings; rotary ones need none
+        del encoder.position_encodings
+    spec = specs.TransformerSpec(encoder, decoder)
     _set_encoder(spec.encoder, model.encoder)
     _set_decoder(spec.decoder, model.decoder)
     spec.register_source_vocabulary(_pieces(stored.tokenizer, source=True))
@@ -141,6 +139,21 @@ def _spec(specs: Any, stored: Checkpoint, model: Seq2SeqTransformer) -> Any:
     spec.config.add_source_eos = True  # sources end with EOS, as in training
     spec.config.layer_norm_epsilon = _norm_epsilon(model)  # CTranslate2's default (1e-6) is not ours (1e-5)
     return spec
+
+
+def _position_options(model: Seq2SeqTransformer) -> dict[str, Any]:
+    """CTranslate2's names for positions inside self-attention (seq2seq.model.positions), set explicitly.
+
+    Rope: every dimension of a head rotates (`rotary_dim` 0), in pairs (m, m + Dh/2), i.e. the halves
+    layout rather than the interleaved one, with our base. Relative: Shaw et al.'s keys and values,
+    whose clipping distance CTranslate2 reads from their table's size (2k + 1 rows).
+    """
+    attentions = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
+    bases = {m.rotary.base for m in attentions if m.rotary is not None}
+    if bases:
+        (base,) = bases  # one value in every layer
+        return {"rotary_dim": 0, "rotary_interleave": False, "rotary_base": base}
+    return {"relative_position": any(m.relative is not None for m in attentions)}
 
 
 def _norm_epsilon(model: Seq2SeqTransformer) -> float:
@@ -186,14 +199,17 @@ def _set_embedding(spec: Any, module: Encoder | Decoder) -> None:
     embeddings.weight = _array(embedding.tokens.weight)
     spec.scale_embeddings = True  # sqrt(d_model), as Embedding does
     table = embedding.positions.weight if embedding.positions is not None else embedding.table
-    assert table is not None, "sinusoidal or learned positions (checked before)"
-    spec.position_encodings.encodings = _array(table)
+    if table is not None:  # rope and relative positions live in self-attention instead
+        spec.position_encodings.encodings = _array(table)
 
 
 def _set_self_attention(spec: Any, attention: MultiHeadAttention, norm: nn.Module) -> None:
     _set_linear(spec.linear[0], attention.in_proj.weight, attention.in_proj.bias)  # fused Q, K, V
     _set_linear(spec.linear[1], attention.out_proj.weight, attention.out_proj.bias)
     _set_norm(spec.layer_norm, norm)
+    if attention.relative is not None:  # (2k + 1, Dh) each, rows for the distances -k .. k
+        spec.relative_position_keys = _array(attention.relative.keys.weight)
+        spec.relative_position_values = _array(attention.relative.values.weight)
 
 
 def _set_cross_attention(spec: Any, attention: MultiHeadAttention, norm: nn.Module) -> None:

@@ -7,13 +7,16 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import TINY, tiny_overrides
 
 from seq2seq import checkpoint as ckpt
 from seq2seq.cli import main
-from seq2seq.config import TransformerConfig
+from seq2seq.config import ModelConfig, RNNConfig, TransformerConfig
+from seq2seq.export import _position_options
 from seq2seq.model import build_model
 from seq2seq.translate import Translator
+from seq2seq.vocab import BOS, EOS, PAD
 
 
 def lines(path: Path) -> list[str]:
@@ -71,13 +74,13 @@ def test_export_refuses_bad_requests(trained_run: Path, tmp_path: Path, capsys: 
     assert "holds files seq2seq did not write there (keep.txt)" in capsys.readouterr().err
     assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
     stored = ckpt.read(checkpoint)
-    rope = dataclasses.replace(
-        stored.config, model=dataclasses.replace(stored.config.model, transformer=TransformerConfig(positions="rope"))
-    )
-    model = build_model(rope.model, stored.tokenizer.src_vocab_size, stored.tokenizer.tgt_vocab_size)
-    ckpt.save(tmp_path / "rope.pt", ckpt.Checkpoint(rope, stored.tokenizer, model.state_dict()))
-    assert main(["export", str(tmp_path / "rope.pt"), "-o", str(tmp_path / "b")]) == 1
-    assert "model.transformer.positions=rope does not export to CTranslate2 yet" in capsys.readouterr().err
+    rnn = dataclasses.replace(stored.config, model=ModelConfig(arch="rnn", rnn=RNNConfig(hidden_size=32)))
+    model = build_model(rnn.model, stored.tokenizer.src_vocab_size, stored.tokenizer.tgt_vocab_size)
+    ckpt.save(tmp_path / "rnn.pt", ckpt.Checkpoint(rnn, stored.tokenizer, model.state_dict()))
+    assert main(["export", str(tmp_path / "rnn.pt"), "-o", str(tmp_path / "b")]) == 1
+    err = capsys.readouterr().err
+    assert "model.arch=rnn does not export to CTranslate2" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "b").exists()
 
 
 # Every variant the exporter maps, each value at least once: a tiny model trained a little,
@@ -108,6 +111,25 @@ VARIANTS = {
         "model.transformer.norm_type=rmsnorm",
         "model.transformer.positions=learned",
     ],
+    "pre-rope": ["model.transformer.norm=pre", "model.transformer.positions=rope"],
+    "post-rope-rmsnorm-gelu": [
+        "model.transformer.norm=post",
+        "model.transformer.positions=rope",
+        "model.transformer.norm_type=rmsnorm",
+        "model.transformer.activation=gelu",
+    ],
+    "pre-relative-rmsnorm": [
+        "model.transformer.norm=pre",
+        "model.transformer.positions=relative",
+        "model.transformer.norm_type=rmsnorm",
+        "model.transformer.max_relative_distance=3",  # clipped often in the test sentences
+    ],
+    "post-relative-separate": [
+        "model.transformer.norm=post",
+        "model.transformer.positions=relative",
+        "data.shared_vocab=false",
+        "model.share_all_embeddings=false",
+    ],
 }
 
 
@@ -125,26 +147,48 @@ def variants(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     return out
 
 
+def _forced_logprobs(translator: Translator, source: str, tokens: list[int]) -> list[float]:
+    """Our model's log-probability of each token of a hypothesis (EOS last), teacher-forced."""
+    src = torch.tensor([translator.tokenizer.encode_src([source])[0] + [EOS]])
+    tgt = torch.tensor([tokens])
+    with torch.no_grad():
+        logits = translator.model(src, src.eq(PAD), torch.cat([torch.full((1, 1), BOS), tgt[:, :-1]], dim=1))
+    return logits.float().log_softmax(-1)[0].gather(-1, tgt[0, :, None])[:, 0].tolist()
+
+
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("strategy", ["greedy", "beam"])
 def test_every_variant_round_trips(
     variants: dict[str, tuple[Path, Path]], corpus: Path, variant: str, strategy: str
 ) -> None:
+    """The same best hypothesis with the same token log-probabilities.
+
+    The two beam searches stop by different rules (fairseq's: K finished hypotheses;
+    CTranslate2's own), so on a rare sentence one of them keeps searching and finds a
+    better hypothesis. There, the model must still agree: each engine's best, scored
+    by the other model, gets the same log-probabilities.
+    """
     checkpoint, exported = variants[variant]
     settings = {"strategy": strategy, "beam_size": 3, "nbest": 2 if strategy == "beam" else 1, "length_penalty": 0.0}
     ours = Translator.from_checkpoint(checkpoint, **settings)
     theirs = CTranslate2Translator.from_directory(exported, threads=1, token_scores=True, **settings)
     sources = lines(corpus / "test.src")[:40] + [""]
-    for mine, other in zip(ours.translate_full(sources), theirs.translate_full(sources)):
+    searched_apart = 0
+    for source, mine, other in zip(sources, ours.translate_full(sources), theirs.translate_full(sources)):
         assert len(mine.hypotheses) == len(other.hypotheses)  # 2 (beam), 1 (greedy), 0 (the empty line)
         if not mine.hypotheses:
             continue
         a, b = mine.hypotheses[0], other.hypotheses[0]  # the runners-up depend on each beam's stopping rule
-        assert (a.tokens, mine.text) == (b.tokens, other.text)
+        assert a.token_scores == pytest.approx(_forced_logprobs(ours, source, a.tokens), abs=2e-3)
+        assert b.token_scores == pytest.approx(_forced_logprobs(ours, source, b.tokens), abs=2e-3)
+        if (a.tokens, mine.text) != (b.tokens, other.text):
+            assert strategy == "beam", f"greedy search differs on {source!r}"
+            searched_apart += 1
+            continue
         assert a.score == pytest.approx(b.score, abs=2e-3)
-        assert a.token_scores == pytest.approx(b.token_scores, abs=2e-3)
         assert [h.score for h in other.hypotheses] == sorted((h.score for h in other.hypotheses), reverse=True)
+    assert searched_apart <= 1, f"the best hypothesis differs on {searched_apart} of {len(sources)} sentences"
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -266,3 +310,15 @@ def test_a_setting_that_cannot_be_honoured_is_said_once(
         assert default.decode.strategy == "beam" and default.decode.length_penalty != 0 and not caplog.records
         CTranslate2Translator.from_directory(exported, threads=1, overrides=["decode.length_penalty=0.6"])
         assert [r.getMessage().split(":")[0] for r in caplog.records] == ["decode.length_penalty=0.6"]
+
+
+def test_rotary_settings_are_read_from_the_model() -> None:
+    """CTranslate2's rotary defaults (interleaved pairs) are not ours: the layout and base are set explicitly."""
+    model = build_model(ModelConfig(d_model=32, transformer=TransformerConfig(positions="rope")), 40, 40)
+    assert _position_options(model) == {"rotary_dim": 0, "rotary_interleave": False, "rotary_base": 10000.0}
+    for module in model.modules():
+        if getattr(module, "rotary", None) is not None:
+            module.rotary.base = 500.0
+    assert _position_options(model)["rotary_base"] == 500.0
+    relative = build_model(ModelConfig(d_model=32, transformer=TransformerConfig(positions="relative")), 40, 40)
+    assert _position_options(relative) == {"relative_position": True}
