@@ -142,8 +142,8 @@ def pick(run: RunDirectory, cfg: ExperimentConfig, sizes: list[int], val: Split,
     return Member(name, run, scores, max(scores, key=scores.__getitem__))
 
 
-def train_member(args: argparse.Namespace, cfg: ExperimentConfig, seed: int | None, val: Split) -> Member:
-    """Train (or resume) the recipe's model, or its model of one seed, and pick its checkpoint on val."""
+def train_member(args: argparse.Namespace, cfg: ExperimentConfig, seed: int | None) -> ExperimentConfig:
+    """Train (or resume) the recipe's model, or its model of one seed; its config."""
     overrides = list(args.overrides)
     if seed is not None:
         top = Path(cfg.train.run_dir)
@@ -151,9 +151,7 @@ def train_member(args: argparse.Namespace, cfg: ExperimentConfig, seed: int | No
         if not cfg.data.prepared_dir:  # one prepared corpus: one vocabulary, which an ensemble needs
             overrides.append(f"data.prepared_dir={top / 'prepared'}")
     seq2seq("train", "--config", args.config, *overrides)
-    member_cfg = load_config(args.config, overrides)
-    run = RunDirectory(member_cfg.train.run_dir)
-    return pick(run, member_cfg, sizes_of(args, member_cfg), val, "" if seed is None else f"seed{seed}")
+    return load_config(args.config, overrides)
 
 
 def sizes_of(args: argparse.Namespace, cfg: ExperimentConfig) -> list[int]:
@@ -492,8 +490,10 @@ def run_recipe(args: argparse.Namespace) -> None:
         torch.set_num_threads(cfg.train.threads)
     if not args.no_download:
         seq2seq("download", "--langs", f"{d.src_lang},{d.tgt_lang}", "--dest", d.dir)
+    trained = [train_member(args, cfg, seed) for seed in args.seeds or [None]]
     val = Split(*read_split(d, d.valid))
-    members = [train_member(args, cfg, seed, val) for seed in args.seeds or [None]]
+    names = [f"seed{seed}" for seed in args.seeds] if args.seeds else [""]
+    members = [pick(RunDirectory(c.train.run_dir), c, sizes_of(args, c), val, n) for c, n in zip(trained, names)]
     test = eval_set(d)  # the test split and, when the dataset has one, its tokenized reference
     system = ensemble(cfg, members, val, test) if args.seeds else one_model(cfg, members[0], test)
     results = {
