@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("seq2seq")
 
-CHUNK_LINES = 1000  # about 3-4 minutes of beam search on two CPU cores for a Multi30k-sized model
+CHUNK_LINES = 1000  # seconds to a minute of beam search on a CPU: a kill loses little, the files stay few
 MANIFEST = "teacher.json"
 DISTILLED = "distilled"  # the split of the teacher's translations in the student's data directory
 ORIGINAL = "original"  # the split of the original training pairs, when they are mixed in
