@@ -63,12 +63,12 @@ import torch
 from seq2seq import checkpoint, metrics
 from seq2seq.app.distill import CHUNK_LINES, teacher_identity, training_pairs, translate_in_chunks, write_student_data
 from seq2seq.app.evaluation import EvalSet, decode, eval_set, score
+from seq2seq.app.model import Engine, ModelOptions, open_translator
 from seq2seq.config import ExperimentConfig, load_config
 from seq2seq.data import read_split
-from seq2seq.ensemble import load_ensemble
 from seq2seq.errors import ConfigError, UserError
 from seq2seq.run_dir import RunDirectory
-from seq2seq.translate import TextTranslator, Translator
+from seq2seq.translate import TextTranslator
 
 BOOTSTRAP = 1000  # resampled test sets for the 95% intervals of the test BLEU scores
 
@@ -115,12 +115,13 @@ def averages(run: RunDirectory, sizes: list[int]) -> list[Path]:
     return out
 
 
-def open_system(checkpoints: list[Path], cfg: ExperimentConfig) -> TextTranslator:
-    """One checkpoint, or several as an ensemble, with the recipe's decode settings."""
-    if len(checkpoints) == 1:
-        return Translator.from_checkpoint(checkpoints[0], **dataclasses.asdict(cfg.decode))
-    model, first = load_ensemble(checkpoints)
-    return Translator(model, first.tokenizer, cfg.decode, "cpu", first.config.data)
+def open_system(paths: list[Path], cfg: ExperimentConfig, engine: Engine = "torch") -> TextTranslator:
+    """One checkpoint, several as an ensemble, or a CTranslate2 export, on the CPU with the recipe's
+    decode settings and threads."""
+    settings = tuple(f"decode.{key}={value}" for key, value in dataclasses.asdict(cfg.decode).items())
+    paths_text = tuple(str(p) for p in paths)
+    threads = torch.get_num_threads()
+    return open_translator(ModelOptions(paths_text, engine, "cpu", threads, settings, token_scores=False))
 
 
 def translate(translator: TextTranslator, sources: list[str], save: Path) -> tuple[list[str], float]:
@@ -292,15 +293,13 @@ def int8_student(member: Member, cfg: ExperimentConfig, test: EvalSet) -> dict:
         note(f"run_recipe: {reason}")
         return {"skipped": reason}
     from seq2seq.export import export_ctranslate2
-    from seq2seq.exported import CTranslate2Translator
 
     try:
         exported = export_ctranslate2(member.checkpoint, member.run.path / "ctranslate2_int8", "int8")
     except UserError as e:  # an architecture that CTranslate2 does not run
         note(f"run_recipe: no CTranslate2 int8 student: {e}")
         return {"skipped": str(e)}
-    decode_settings = dataclasses.asdict(cfg.decode)
-    translator = CTranslate2Translator.from_directory(exported, "cpu", torch.get_num_threads(), **decode_settings)
+    translator = open_system([exported], cfg, "ctranslate2")
     save = member.run.path / f"{cfg.data.test}.ctranslate2_int8.{cfg.data.tgt_lang}"
     return {"dir": str(exported), **scored_test(translator, test, save)}
 
