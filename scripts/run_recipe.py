@@ -266,6 +266,7 @@ def distill(args: argparse.Namespace, cfg: ExperimentConfig, teacher: dict, val:
 
 
 def check_same_pair(teacher: ExperimentConfig, student: ExperimentConfig) -> None:
+    """The student learns the teacher's pair: another pair would train on translations it cannot use."""
     t, s = teacher.data, student.data
     if (t.src_lang, t.tgt_lang) != (s.src_lang, s.tgt_lang):
         raise ConfigError(
@@ -283,6 +284,7 @@ def distilled_data(args: argparse.Namespace, cfg: ExperimentConfig, teacher: lis
 
 
 def note(line: str) -> None:
+    """A progress or skip line on stderr, at once (the recipe runs for hours)."""
     print(line, file=sys.stderr, flush=True)
 
 
