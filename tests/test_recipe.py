@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-from conftest import ROOT, TINY, single_thread_env, tiny_overrides
+from conftest import ROOT, TINY, single_thread_env, tiny_overrides, write_corpus
 
 from seq2seq import metrics
 
@@ -71,3 +72,46 @@ def test_recipe_rejects_a_bad_average_list() -> None:
     done = run_recipe(str(TINY), "--average", "5,ten")
     assert done.returncode == 2
     assert "5,ten" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_recipe_ensembles_seeded_models_and_distils_them_into_a_student(tmp_path: Path) -> None:
+    corpus, run_dir = write_corpus(tmp_path / "corpus", n_train=400), tmp_path / "run"
+    overrides = tiny_overrides(corpus, run_dir, "train.max_epochs=2", "train.threads=1", "train.precision=fp32")
+    args = [str(TINY), *overrides, "--no-download", "--average", "2", "--seeds", "1,2"]
+    done = run_recipe(*args, "--distill", "--distill-chunk", "150")
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads((run_dir / "results.json").read_text(encoding="utf-8"))
+
+    members = results["members"]
+    assert [m["seed"] for m in members] == [1, 2]
+    assert [m["run_dir"] for m in members] == [str(run_dir / "seed1"), str(run_dir / "seed2")]
+    assert results["checkpoints"] == [str(run_dir / f"seed{m['seed']}" / f"{m['picked']}.pt") for m in members]
+    assert results["picked"] == "ensemble" and set(results["val"]) == {"ensemble"}
+    refs = (corpus / "test.tgt").read_text(encoding="utf-8").splitlines()
+    hyps = (run_dir / "test.ensemble.tgt").read_text(encoding="utf-8").splitlines()
+    assert results["test"]["sacrebleu"] == round(metrics.bleu(hyps, refs).score, 2)
+    table = (run_dir / "results.md").read_text(encoding="utf-8")
+    assert "| src-tgt, seed 2 |" in table and "| src-tgt, ensemble of 2 |" in table
+
+    data = run_dir / "distilled" / "data"
+    sources = (corpus / "train.src").read_text(encoding="utf-8").splitlines()
+    assert (data / "distilled.src").read_text(encoding="utf-8").splitlines() == sources
+    assert len((data / "distilled.tgt").read_text(encoding="utf-8").splitlines()) == len(sources) == 400
+    assert "distill: chunk 3/3 (400/400 lines)" in done.stderr
+    student = results["student"]
+    assert (
+        student["run_dir"] == str(run_dir / "student") and (run_dir / "student" / f"{student['picked']}.pt").is_file()
+    )
+    assert student["test"]["sacrebleu"] >= 0 and student["test_sentences_per_second"] > 0
+    assert "| student on distilled (" in table
+    int8 = student["ctranslate2_int8"]
+    if importlib.util.find_spec("ctranslate2") is None:
+        assert "not installed" in int8["skipped"] and "Student in CTranslate2 int8: skipped" in table
+    else:
+        assert int8["test_sentences_per_second"] > 0 and "| student, CTranslate2 int8 |" in table
+
+
+def test_recipe_refuses_a_student_config_that_does_not_exist() -> None:
+    done = run_recipe(str(TINY), "--distill", "train.max_epochs=3")
+    assert done.returncode == 2
+    assert "no such config file" in done.stderr and "--student" in done.stderr
