@@ -87,6 +87,7 @@
     sources.forEach((th, s) => {
       th.classList.toggle("lit", weights !== null && weights[s] >= 0.1);
       th.style.background = weights === null ? "" : colour(weights[s]);
+      th.style.color = weights !== null && weights[s] > 0.5 ? "#fff" : "";
     });
   }
 
