@@ -192,7 +192,7 @@ def _add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
         required=required,
         action="append",
         help="checkpoint file (e.g. RUN/checkpoint_best.pt) or a directory from seq2seq export; "
-        "several -c decode checkpoints as an ensemble",
+        "several -c decode checkpoints as an ensemble (serve --compare: side by side)",
     )
     p.add_argument(
         "--engine",

@@ -258,3 +258,19 @@ def test_bad_model_lists_are_usage_errors(
 ) -> None:
     with pytest.raises(UsageError, match=message):
         served_models(checkpoints, named, compare)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["serve", "--compare", "-c", "a.pt"], "--compare needs two or more -c"),
+        (["serve"], "give a model: -c CHECKPOINT (or --model NAME=CHECKPOINT)"),
+        (["serve", "--model", "a.pt"], "--model 'a.pt': give NAME=CHECKPOINT"),
+    ],
+)
+def test_the_command_refuses_a_bad_model_list_in_one_line(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    assert main([*argv, "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
