@@ -220,6 +220,21 @@ def test_the_page_is_served_whole_with_nothing_from_elsewhere(translator: Transl
         assert "http://" not in text.replace('"http://www.w3.org/2000/svg"', "") and "https://" not in text
 
 
+def test_several_c_without_compare_are_still_one_ensemble(checkpoint: Path, translator: Translator) -> None:
+    from test_serve import Server
+
+    server = Server(checkpoint, "-c", str(checkpoint))
+    try:
+        status, info = server.get("/info")
+        assert status == 200 and list(info["models"]) == ["default"]
+        single = sum(p.numel() for p in translator.model.parameters())
+        assert info["model"]["parameters"] == 2 * single  # both members
+        status, body = server.post({"text": ["red cat dog"], "options": {"attention": True}})
+        assert status == 200 and body["translations"][0]["attention"][0]["word_alignment"] == "0-2 1-1 2-0"
+    finally:
+        assert server.stop() == 0, server.lines
+
+
 @pytest.mark.parametrize(
     ("checkpoints", "named", "compare", "expected"),
     [
