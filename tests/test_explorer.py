@@ -18,6 +18,7 @@ from conftest import model_config
 from seq2seq.checkpoint import load_checkpoint
 from seq2seq.cli import main
 from seq2seq.config import RNNConfig
+from seq2seq.ensemble import Ensemble
 from seq2seq.errors import UsageError
 from seq2seq.model import build_model
 from seq2seq.serve.options import ServeOptions, served_models
@@ -190,6 +191,17 @@ def test_bad_or_too_large_attention_requests_get_a_4xx(
 def test_the_same_request_within_the_limit_is_answered(translator: Translator) -> None:
     options = {"attention": True, "attention_layer": "all", "attention_heads": "each"}
     assert translate(translator, {"text": ["red cat dog"], "options": options}, max_attention=128)[0] == 200
+
+
+def test_an_ensemble_whose_members_differ_shows_one_layer_with_the_heads_averaged(checkpoint: Path) -> None:
+    two, three = untrained(checkpoint), untrained(checkpoint, decoder_layers=3)
+    ensemble = Translator(Ensemble([two.model, three.model]), two.tokenizer, two.decode, "cpu", two.data)
+    body = {"text": ["red cat"], "options": {"attention": True, "max_len_b": 4}}
+    status, answer = translate(ensemble, body)
+    assert status == 200 and answer["translations"][0]["attention"][0]["layers"] == ["chosen layer"]
+    body["options"] |= {"attention_layer": "all"}
+    status, answer = translate(ensemble, body)
+    assert status == 400 and "the ensemble's members show different numbers of layers or heads" in answer["error"]
 
 
 def test_models_side_by_side_by_name(translator: Translator, checkpoint: Path) -> None:

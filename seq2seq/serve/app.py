@@ -151,7 +151,10 @@ class _Service:
         if note is not None:
             return JSONResponse({"translations": [_with(a, "attention", None) for a in answers], "note": note})
         ask = parsed.attention
-        maps = await batcher.call(functools.partial(engine.attention, results, ask.layer, ask.heads))
+        try:
+            maps = await batcher.call(functools.partial(engine.attention, results, ask.layer, ask.heads))
+        except UserError as e:  # e.g. an ensemble whose members show different numbers of layers or heads
+            raise Rejected(400, str(e)) from None
         self._check_size(maps)
         return JSONResponse({"translations": [_with(a, "attention", _maps(m)) for a, m in zip(answers, maps)]})
 
