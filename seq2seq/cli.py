@@ -146,8 +146,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quantization", default="float32", help="weights: float32 (default), int8, int8_float32, ...")
     p.set_defaults(run=_export)
 
-    p = sub.add_parser("serve", help="an HTTP translation service for a checkpoint, with dynamic batching")
-    _add_model_args(p)
+    p = sub.add_parser(
+        "serve", help="an HTTP translation service for a checkpoint, with dynamic batching and an attention explorer"
+    )
+    _add_model_args(p, required=False)
     serve_options.add_arguments(p)
     p.set_defaults(run=_serve)
     return parser
@@ -190,7 +192,7 @@ def _add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
         required=required,
         action="append",
         help="checkpoint file (e.g. RUN/checkpoint_best.pt) or a directory from seq2seq export; "
-        "several -c decode checkpoints as an ensemble",
+        "several -c decode checkpoints as an ensemble (serve --compare: side by side)",
     )
     p.add_argument(
         "--engine",
@@ -285,8 +287,12 @@ def _serve(args: argparse.Namespace) -> int:
     """The model loads once the port is bound, so that a busy port fails before a long load."""
     options = _from_args(serve_options.ServeOptions, args)
     serve_options.require_extra()
+    from seq2seq.app.model import ModelOptions
     from seq2seq.serve.engine import open_engine
     from seq2seq.serve.server import serve
 
-    model = _model_options(args)
-    return serve(lambda: open_engine(model), options)
+    models = {
+        name: ModelOptions(paths, args.engine, args.device, args.threads, tuple(args.overrides))
+        for name, paths in serve_options.served_models(args.checkpoint or [], args.model, args.compare)
+    }
+    return serve(lambda: {name: open_engine(model) for name, model in models.items()}, options)

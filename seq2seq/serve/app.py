@@ -1,9 +1,10 @@
-"""The HTTP routes: POST /translate, GET /health, GET /info.
+"""The HTTP routes: POST /translate, GET /health, GET /info, and the attention explorer at GET /.
 
-Every answer is JSON. A request the server will not take (malformed, over a
+Every API answer is JSON. A request the server will not take (malformed, over a
 limit, an unknown or invalid option) gets a 4xx naming the problem; anything
 else that fails gets a 500 with an error id that is also in the log, and never
-a stack trace. No route reads or writes a file.
+a stack trace. No route reads or writes a file: the explorer's page (static/)
+is read once, when the application is made.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import difflib
+import functools
 import json
 import logging
 import math
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from importlib import resources
 from typing import Any
 
 from starlette.applications import Starlette
@@ -26,9 +29,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from seq2seq import __version__
+from seq2seq.alignment import HEAD_CHOICES, AttentionMap, LayerChoice
+from seq2seq.app.streams import alignment_fields
 from seq2seq.config import DecodeConfig
 from seq2seq.errors import ConfigError, UserError
 from seq2seq.serve.batcher import Batcher, Busy
+from seq2seq.serve.engine import Engine
 from seq2seq.serve.options import ServeOptions
 from seq2seq.translate import Translation
 
@@ -50,8 +56,13 @@ DECODE_OPTIONS = (
     "seed",
 )
 """The decode settings a request may change. The rest (batch sizes, input truncation, max_len) are the server's."""
-OPTIONS = (*DECODE_OPTIONS, "scores")
-FIELDS = ("text", "prefix", "tgt_lang", "options")
+ATTENTION_OPTIONS = ("attention", "attention_layer", "attention_heads")
+OPTIONS = (*DECODE_OPTIONS, "scores", *ATTENTION_OPTIONS)
+FIELDS = ("text", "prefix", "tgt_lang", "model", "options")
+PAGE = {"/": "index.html", "/explorer.js": "explorer.js", "/explorer.css": "explorer.css"}
+"""The explorer's files (seq2seq/serve/static/), by the path that serves each."""
+MEDIA = {"html": "text/html; charset=utf-8", "js": "text/javascript; charset=utf-8", "css": "text/css; charset=utf-8"}
+DECIMALS = 4  # attention weights are rounded to this many decimals in answers
 
 
 class Rejected(Exception):
@@ -62,6 +73,14 @@ class Rejected(Exception):
         self.status = status
 
 
+@dataclass(frozen=True)
+class AttentionAsk:
+    """Which cross-attention an answer carries: a decoder layer from 1, "last" or "all"; heads "mean" or "each"."""
+
+    layer: LayerChoice = "last"
+    heads: str = "mean"
+
+
 @dataclass
 class TranslateRequest:
     lines: list[str]
@@ -69,26 +88,33 @@ class TranslateRequest:
     scores: bool  # add each hypothesis' score to the answer
     prefixes: list[str] | None = None  # target prefixes, one per line ("" for none)
     tgt_lang: str = ""  # the target language of every line, for a model of several ("": none)
+    model: str = ""  # which of the served models ("": the first)
+    attention: AttentionAsk | None = None  # add each hypothesis' cross-attention to the answer
 
 
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-def create_app(batcher: Batcher, options: ServeOptions) -> Starlette:
-    """The application; the batcher runs from startup to shutdown (after the last in-flight request)."""
-    service = _Service(batcher, options)
+def create_app(models: Batcher | Mapping[str, Batcher], options: ServeOptions) -> Starlette:
+    """The application for one model's batcher, or several by name (the first answers requests that name
+    none); each batcher runs from startup to shutdown (after the last in-flight request)."""
+    batchers = {"default": models} if isinstance(models, Batcher) else dict(models)
+    service = _Service(batchers, options)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        batcher.start()
+        for batcher in batchers.values():
+            batcher.start()
         yield
-        await batcher.stop()
+        await asyncio.gather(*(batcher.stop() for batcher in batchers.values()))
 
+    page = [Route(path, _static_file(name), methods=["GET"]) for path, name in PAGE.items()]
     return Starlette(
         routes=[
             Route("/translate", _guarded(service.translate), methods=["POST"]),
             Route("/health", _guarded(service.health), methods=["GET"]),
             Route("/info", _guarded(service.info), methods=["GET"]),
+            *page,
         ],
         exception_handlers={HTTPException: _http_error},  # 404, 405: JSON like every other answer
         lifespan=lifespan,
@@ -96,48 +122,82 @@ def create_app(batcher: Batcher, options: ServeOptions) -> Starlette:
 
 
 class _Service:
-    def __init__(self, batcher: Batcher, options: ServeOptions) -> None:
-        self.batcher = batcher
-        self.engine = batcher.engine
+    def __init__(self, batchers: dict[str, Batcher], options: ServeOptions) -> None:
+        self.batchers = batchers
         self.options = options
 
     async def translate(self, request: Request) -> Response:
         body = await _read_body(request, self.options.max_body, self.options.read_timeout)
         parsed = self.parse(body)
-        tokens = sum(self.engine.source_lengths(parsed.lines))
+        batcher = self.batchers[parsed.model]
+        engine = batcher.engine
+        tokens = sum(engine.source_lengths(parsed.lines))
         try:
             if parsed.prefixes is not None:
-                self.engine.check_prefixes(parsed.prefixes)  # before batching: never another request's failure
+                engine.check_prefixes(parsed.prefixes)  # before batching: never another request's failure
             langs = [parsed.tgt_lang] * len(parsed.lines)
-            self.engine.check_tgt_langs(parsed.lines, langs)
-            results = await self.batcher.translate(
+            engine.check_tgt_langs(parsed.lines, langs)
+            note = engine.check_attention(parsed.attention.layer) if parsed.attention else None
+            results = await batcher.translate(
                 parsed.lines, parsed.settings, tokens, parsed.prefixes, langs if parsed.tgt_lang else None
             )
         except Busy as e:
             raise Rejected(503, f"server busy: {e}") from None
         except UserError as e:  # this request's own input, found by the engine
             raise Rejected(400, str(e)) from None
-        nbest = parsed.settings.nbest
-        return JSONResponse({"translations": [_render(r, parsed.scores, nbest) for r in results]})
+        answers = [_render(r, parsed.scores, parsed.settings.nbest) for r in results]
+        if parsed.attention is None:
+            return JSONResponse({"translations": answers})
+        if note is not None:
+            return JSONResponse({"translations": [_with(a, "attention", None) for a in answers], "note": note})
+        ask = parsed.attention
+        try:
+            maps = await batcher.call(functools.partial(engine.attention, results, ask.layer, ask.heads))
+        except UserError as e:  # e.g. an ensemble whose members show different numbers of layers or heads
+            raise Rejected(400, str(e)) from None
+        self._check_size(maps)
+        return JSONResponse({"translations": [_with(a, "attention", _maps(m)) for a, m in zip(answers, maps)]})
+
+    def _check_size(self, maps: list[list[AttentionMap | None]]) -> None:
+        """413 for an answer with more attention weights than the server sends, saying how to ask for fewer."""
+        size = sum(m.weights.numel() for hypotheses in maps for m in hypotheses if m is not None)
+        if size > self.options.max_attention:
+            raise Rejected(
+                413,
+                f"the attention asked for has {size} weights; this server sends up to {self.options.max_attention}: "
+                'ask for one layer (attention_layer), averaged heads (attention_heads: "mean"), '
+                "fewer hypotheses or fewer lines",
+            )
 
     async def health(self, request: Request) -> Response:
-        b = self.batcher
-        return JSONResponse({"status": "ok", "in_flight": b.in_flight, "waiting": b.waiting, "batches": b.batches})
+        b = self.batchers.values()
+        return JSONResponse(
+            {
+                "status": "ok",
+                "in_flight": sum(x.in_flight for x in b),
+                "waiting": sum(x.waiting for x in b),
+                "batches": sum(x.batches for x in b),
+            }
+        )
 
     async def info(self, request: Request) -> Response:
         o = self.options
+        first = next(iter(self.batchers.values()))
         return JSONResponse(
             {
                 "version": __version__,
-                "model": self.engine.describe(),
+                "model": first.engine.describe(),
+                "models": {name: b.engine.describe() for name, b in self.batchers.items()},
                 "options": list(OPTIONS),
                 "limits": {
                     "max_lines": o.max_lines,
                     "max_chars": o.max_chars,
                     "max_body": o.max_body,
+                    "max_beam": o.max_beam,
+                    "max_attention": o.max_attention,
                     "read_timeout_s": o.read_timeout,
                 },
-                "batching": {"max_tokens": self.batcher.max_tokens, "max_wait_ms": self.batcher.max_wait * 1000},
+                "batching": {"max_tokens": first.max_tokens, "max_wait_ms": first.max_wait * 1000},
             }
         )
 
@@ -159,8 +219,20 @@ class _Service:
         lang = raw.get("tgt_lang", "")
         if not isinstance(lang, str) or len(lang) > 64:
             raise Rejected(400, '"tgt_lang" must be a language name, e.g. "en"')
-        settings, scores = self._options(raw.get("options", {}))
-        return TranslateRequest(lines, settings, scores, prefixes, lang)
+        model = self._model(raw.get("model"))
+        options = raw.get("options", {})
+        if not isinstance(options, dict):
+            raise Rejected(400, '"options" must be a JSON object')
+        settings, scores = self._options(options, self.batchers[model].engine)
+        return TranslateRequest(lines, settings, scores, prefixes, lang, model, _attention(options))
+
+    def _model(self, name: Any) -> str:
+        """The served model a request names; the first when it names none."""
+        if name is None:
+            return next(iter(self.batchers))
+        if name not in self.batchers:
+            raise Rejected(400, f'unknown "model" {name!r} (models: {", ".join(self.batchers)})')
+        return str(name)
 
     def _lines(self, text: Any, name: str = "text") -> list[str]:
         o = self.options
@@ -175,9 +247,7 @@ class _Service:
                 raise Rejected(400, f"{name}[{i}] contains a line break; send one sentence per list item")
         return text
 
-    def _options(self, raw: Any) -> tuple[DecodeConfig, bool]:
-        if not isinstance(raw, dict):
-            raise Rejected(400, '"options" must be a JSON object')
+    def _options(self, raw: dict[str, Any], engine: Engine) -> tuple[DecodeConfig, bool]:
         for key in raw:
             if key in DecodeConfig.__dataclass_fields__ and key not in OPTIONS:
                 raise Rejected(400, f"option {key!r} is the server's to set, not a request's")
@@ -189,7 +259,7 @@ class _Service:
         if not isinstance(scores, bool):
             raise Rejected(400, f"option 'scores' must be true or false; got {scores!r}")
         try:
-            settings = self.engine.settings({k: v for k, v in raw.items() if k != "scores"})
+            settings = engine.settings({k: v for k, v in raw.items() if k in DECODE_OPTIONS})
         except ConfigError as e:
             raise Rejected(400, str(e)) from None
         if settings.beam_size > self.options.max_beam:
@@ -233,6 +303,61 @@ def _render(result: Translation, scores: bool, nbest: int) -> Any:
             for text, h in zip(result.texts, result.hypotheses)
         ]
     return answer
+
+
+def _attention(options: dict[str, Any]) -> AttentionAsk | None:
+    """The attention a request's options ask for (None: none), or Rejected naming the option that is wrong."""
+    asked = options.get("attention", False)
+    if not isinstance(asked, bool):
+        raise Rejected(400, f"option 'attention' must be true or false; got {asked!r}")
+    layer, heads = options.get("attention_layer", "last"), options.get("attention_heads", "mean")
+    if not asked:
+        for key in ATTENTION_OPTIONS[1:]:
+            if key in options:
+                raise Rejected(400, f'option {key!r} goes with "attention": true')
+        return None
+    number = isinstance(layer, int) and not isinstance(layer, bool) and layer >= 1
+    if not number and layer not in ("last", "all"):
+        raise Rejected(400, f"option 'attention_layer' must be last, all or a layer number from 1; got {layer!r}")
+    if heads not in HEAD_CHOICES:
+        raise Rejected(400, f"option 'attention_heads' must be {' or '.join(HEAD_CHOICES)}; got {heads!r}")
+    return AttentionAsk(layer, heads)
+
+
+def _with(answer: Any, key: str, value: Any) -> dict[str, Any]:
+    """A rendered translation (a string, or an object) as an object with one more field."""
+    return {**({"text": answer} if isinstance(answer, str) else answer), key: value}
+
+
+def _maps(maps: list[AttentionMap | None]) -> list[dict[str, Any]]:
+    """One translation's hypotheses' attention, best first (none for an empty line), as JSON.
+
+    weights[layer][head][target][source], with the subwords, the names of the layers and heads shown,
+    and the alignments `seq2seq translate --alignment` writes for the same layers.
+    """
+    return [
+        {
+            "source": m.source,
+            "target": m.target,
+            "layers": m.layers,
+            "heads": m.heads,
+            "weights": m.weights.double().round(decimals=DECIMALS).tolist(),
+            **{k: v for k, v in alignment_fields(m).items() if k != "source_pieces"},
+        }
+        for m in maps
+        if m is not None
+    ]
+
+
+def _static_file(name: str) -> Handler:
+    """A route answering with one of the explorer's files, read now, once."""
+    content = (resources.files("seq2seq.serve") / "static" / name).read_bytes()
+    media = MEDIA[name.rsplit(".", 1)[1]]
+
+    async def serve_file(request: Request) -> Response:
+        return Response(content, media_type=media, headers={"cache-control": "no-cache"})
+
+    return serve_file
 
 
 def _number(x: float) -> float | None:

@@ -15,14 +15,17 @@ import functools
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 from seq2seq.config import DecodeConfig
 from seq2seq.serve.engine import Engine
 from seq2seq.translate import Translation
 
 log = logging.getLogger(__name__)
+R = TypeVar("R")
 
 
 class Busy(Exception):
@@ -92,6 +95,11 @@ class Batcher:
             return await job.result
         finally:
             self.in_flight -= 1
+
+    async def call(self, fn: Callable[[], R]) -> R:
+        """fn() in the decoding thread, between batches: work on the model (an attention pass) never runs
+        beside a decode, and never on the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
     async def _run(self) -> None:
         while True:

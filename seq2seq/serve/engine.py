@@ -8,13 +8,15 @@ and an exported CTranslate2 model alike; another engine plugs in by implementing
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+from seq2seq.alignment import AttentionMap, LayerChoice, require_attention
 from seq2seq.app.model import ModelOptions, open_translator
 from seq2seq.config import DecodeConfig, to_dict
-from seq2seq.errors import DataError
-from seq2seq.translate import TextTranslator, Translation
+from seq2seq.errors import AttentionError, DataError
+from seq2seq.translate import TextTranslator, Translation, Translator
 
 
 class Engine(Protocol):
@@ -58,6 +60,18 @@ class Engine(Protocol):
 
     def describe(self) -> dict[str, Any]:
         """What GET /info tells about the model."""
+        ...
+
+    def check_attention(self, layer: LayerChoice) -> str | None:
+        """None when the model gives the cross-attention of `layer`; a note saying why not when it has none
+        to give (the answer then has the translations and the note); AttentionError for a layer it lacks."""
+        ...
+
+    def attention(
+        self, translations: Sequence[Translation], layer: LayerChoice, heads: str
+    ) -> list[list[AttentionMap | None]]:
+        """The cross-attention of every hypothesis of each translation, as `seq2seq translate --alignment`
+        computes the best one's; called from the decoding thread, after `check_attention`."""
         ...
 
 
@@ -109,6 +123,33 @@ class TranslatorEngine:
             "max_positions": t.max_positions,
             "decode": to_dict(t.decode),
         }
+
+    def check_attention(self, layer: LayerChoice) -> str | None:
+        t = self._translator
+        if not isinstance(t, Translator):
+            return "CTranslate2 gives no attention weights: serve the checkpoint file (--engine torch) to see them"
+        try:
+            require_attention(t.model)
+        except AttentionError as e:  # no attention at all: the translations come with this note
+            return str(e)
+        require_attention(t.model, layer)
+        return None
+
+    def attention(
+        self, translations: Sequence[Translation], layer: LayerChoice, heads: str
+    ) -> list[list[AttentionMap | None]]:
+        t = self._translator
+        assert isinstance(t, Translator), "check_attention says when there is none"
+        each = [  # one translation per hypothesis: `Translator.attention` takes the best of each
+            dataclasses.replace(r, hypotheses=[h], texts=[text], pieces=[pieces])
+            for r in translations
+            for h, text, pieces in zip(r.hypotheses, r.texts, r.pieces)
+        ]
+        maps, start, grouped = t.attention(each, layer, heads), 0, []
+        for r in translations:
+            grouped.append(maps[start : start + len(r.hypotheses)])
+            start += len(r.hypotheses)
+        return grouped
 
 
 def open_engine(model: ModelOptions) -> TranslatorEngine:

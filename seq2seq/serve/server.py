@@ -14,7 +14,7 @@ import errno
 import logging
 import signal
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from types import FrameType
 
@@ -30,24 +30,28 @@ from seq2seq.serve.options import ServeOptions
 log = logging.getLogger("seq2seq.serve")
 
 
-def serve(load_engine: Callable[[], Engine], options: ServeOptions) -> int:
-    """Serve until SIGTERM/SIGINT; `load_engine` runs after the port is bound, before it listens."""
+def serve(load_engines: Callable[[], Mapping[str, Engine]], options: ServeOptions) -> int:
+    """Serve until SIGTERM/SIGINT; `load_engines` (the models by name) runs after the port is bound,
+    before it listens."""
     with bind(options.host, options.port) as sock:
-        engine = load_engine()
-        budget = options.batch_tokens or engine.defaults.max_tokens
-        batcher = Batcher(engine, budget, options.batch_wait_ms / 1000, options.max_queue)
+        batchers = {name: _batcher(engine, options) for name, engine in load_engines().items()}
         config = uvicorn.Config(
-            create_app(batcher, options),
+            create_app(batchers, options),
             log_config=None,
             access_log=False,
             timeout_graceful_shutdown=options.shutdown_timeout,
             http=_with_head_timeout(options.read_timeout),
         )
-        server = _Server(config, batcher)
+        server = _Server(config, list(batchers.values()))
         with _signals_noted():
             server.run(sockets=[sock])
     log.info("stopped")
     return 0
+
+
+def _batcher(engine: Engine, options: ServeOptions) -> Batcher:
+    budget = options.batch_tokens or engine.defaults.max_tokens
+    return Batcher(engine, budget, options.batch_wait_ms / 1000, options.max_queue)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -130,23 +134,23 @@ def _with_head_timeout(seconds: float) -> type[H11Protocol]:
 class _Server(uvicorn.Server):
     """uvicorn's server, saying in the log when it listens and when a signal stops it."""
 
-    def __init__(self, config: uvicorn.Config, batcher: Batcher) -> None:
+    def __init__(self, config: uvicorn.Config, batchers: list[Batcher]) -> None:
         super().__init__(config)
-        self.batcher = batcher
+        self.batchers = batchers
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         for sock in (sockets or []) if self.started else []:
             host, port = sock.getsockname()[:2]
             host = f"[{host}]" if ":" in host else host  # IPv6
-            log.info("serving on http://%s:%d (POST /translate, GET /health, GET /info)", host, port)
+            log.info("serving on http://%s:%d (explorer: GET /; POST /translate, GET /health, GET /info)", host, port)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self.should_exit:
             log.info(
                 "%s: no new connections; finishing %d request(s) in flight (at most %d s)",
                 signal.Signals(sig).name,
-                self.batcher.in_flight,
+                sum(b.in_flight for b in self.batchers),
                 self.config.timeout_graceful_shutdown,
             )
         super().handle_exit(sig, frame)
