@@ -162,6 +162,10 @@ def test_d_model_not_divisible_by_heads(tmp_path: Path) -> None:
             ["model.arch=rnn", "model.rnn.attention=bahdanau"],
             "model.rnn.attention must be one of none, dot, general, mlp",
         ),
+        (
+            ["model.arch=rnn", "model.rnn.context_every_step=true"],
+            "model.rnn.context_every_step needs model.rnn.attention: none (with attention: general every step",
+        ),
         (["model.arch=rnn", "model.rnn.cel=gru"], "did you mean 'model.rnn.cell'"),
         (["model.arch=lstm"], "model.arch must be one of transformer, rnn"),
     ],
