@@ -137,7 +137,8 @@ class GlobalAttention(nn.Module):
 
 class RNNCache:
     """What decoding carries between steps: the recurrent state, the last attentional vector
-    (input feeding) and, for attention, the encoder states, their keys and the padding mask."""
+    (input feeding) and, for attention, the encoder states, their keys and the padding mask;
+    for a decoder that reads it at every step, the context vector."""
 
     def __init__(
         self,
