@@ -280,7 +280,14 @@ def test_config_files_of_the_flat_layout_load_as_before() -> None:
         "d_model": 16,
         "dropout": 0.2,
         "max_positions": 512,
-        "rnn": {"attention": "general", "bidirectional": True, "cell": "gru", "hidden_size": 16, "layers": 1},
+        "rnn": {
+            "attention": "general",
+            "bidirectional": True,
+            "cell": "gru",
+            "context_every_step": False,  # written before it existed: Sutskever et al.'s decoder, as then
+            "hidden_size": 16,
+            "layers": 1,
+        },
         "share_all_embeddings": True,
         "share_decoder_embeddings": True,
     }
