@@ -201,6 +201,8 @@ class RNNConfig:
     hidden_size: int = 512  # the decoder's state; a bidirectional encoder has half per direction
     bidirectional: bool = True
     attention: Literal["none", "dot", "general", "mlp"] = "general"  # Luong et al. (2015), with input feeding
+    # attention: none only. Cho et al. (2014): the context vector enters every decoder step and the readout
+    context_every_step: bool = False
 
     def __post_init__(self) -> None:
         _require(self.layers >= 1, "model.rnn.layers", "must be at least 1")
@@ -211,6 +213,12 @@ class RNNConfig:
             not self.bidirectional or self.hidden_size % 2 == 0,
             "model.rnn.hidden_size",
             f"({self.hidden_size}) must be even with model.rnn.bidirectional (half per direction)",
+        )
+        _require(
+            not self.context_every_step or self.attention == "none",
+            "model.rnn.context_every_step",
+            f"needs model.rnn.attention: none (with attention: {self.attention} every step already reads "
+            "its own context from the encoder states)",
         )
 
 

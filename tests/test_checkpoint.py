@@ -71,6 +71,14 @@ ARCHITECTURES = {
         "model.rnn.bidirectional=false",
         "model.share_all_embeddings=false",
     ],
+    "rnn-gru-none-context": [
+        "model.arch=rnn",
+        "model.transformer=null",
+        "model.rnn.cell=gru",
+        "model.rnn.attention=none",
+        "model.rnn.context_every_step=true",
+        "model.rnn.hidden_size=32",
+    ],
 }
 
 
@@ -91,6 +99,26 @@ def test_round_trip_gives_identical_logits(
         assert not torch.allclose(model_with_seed(cfg, tokenizer, 123).eval()(src, src == 0, tgt), logits, atol=1e-3)
     assert loaded.config == cfg and loaded.tokenizer.state() == tokenizer.state() and loaded.checkpoint.training is None
     assert loaded.checkpoint.run_id == "r1"
+
+
+def test_a_fixed_vector_rnn_saved_before_context_every_step_existed_loads_as_it_was(
+    tmp_path: Path, cfg: ExperimentConfig, tokenizer: Tokenizer
+) -> None:
+    cfg = apply_overrides(cfg, ARCHITECTURES["rnn-gru-none-unidirectional"])
+    model = model_with_seed(cfg, tokenizer, 0).eval()
+    save_model(tmp_path / "c.pt", model, tokenizer, cfg)
+    stored = torch.load(tmp_path / "c.pt", weights_only=True)
+    del stored["config"]["model"]["rnn"]["context_every_step"]  # as it was written then
+    stored.pop("sha256")
+    stored["sha256"] = ckpt.content_hash(stored)
+    torch.save(stored, tmp_path / "older.pt")
+    loaded = load_checkpoint(tmp_path / "older.pt")
+    assert loaded.config == cfg and loaded.config.model.rnn is not None
+    assert not loaded.config.model.rnn.context_every_step
+    src = torch.tensor([[5, 6, 7, 2], [8, 9, 2, 0]])
+    tgt = torch.tensor([[1, 5, 6], [1, 8, 9]])
+    with torch.no_grad():
+        assert torch.equal(loaded.model(src, src == 0, tgt), model(src, src == 0, tgt))
 
 
 def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path: Path) -> None:

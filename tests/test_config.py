@@ -162,6 +162,10 @@ def test_d_model_not_divisible_by_heads(tmp_path: Path) -> None:
             ["model.arch=rnn", "model.rnn.attention=bahdanau"],
             "model.rnn.attention must be one of none, dot, general, mlp",
         ),
+        (
+            ["model.arch=rnn", "model.rnn.context_every_step=true"],
+            "model.rnn.context_every_step needs model.rnn.attention: none (with attention: general every step",
+        ),
         (["model.arch=rnn", "model.rnn.cel=gru"], "did you mean 'model.rnn.cell'"),
         (["model.arch=lstm"], "model.arch must be one of transformer, rnn"),
     ],
@@ -276,7 +280,14 @@ def test_config_files_of_the_flat_layout_load_as_before() -> None:
         "d_model": 16,
         "dropout": 0.2,
         "max_positions": 512,
-        "rnn": {"attention": "general", "bidirectional": True, "cell": "gru", "hidden_size": 16, "layers": 1},
+        "rnn": {
+            "attention": "general",
+            "bidirectional": True,
+            "cell": "gru",
+            "context_every_step": False,  # written before it existed: Sutskever et al.'s decoder, as then
+            "hidden_size": 16,
+            "layers": 1,
+        },
         "share_all_embeddings": True,
         "share_decoder_embeddings": True,
     }

@@ -30,11 +30,17 @@ COMMON = (
 
 
 @pytest.mark.parametrize(
-    "device",
-    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs"))],
+    ("device", "extra"),
+    [
+        ("cpu", ()),
+        ("cpu", ("train.rdrop_alpha=2",)),  # each rank's two passes in one forward: one backward for DDP to reduce
+        pytest.param("cuda", (), marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")),
+    ],
 )
-def test_two_processes_match_one_process_with_the_doubled_batch(tmp_path: Path, device: str) -> None:
-    """gloo on the CPU, NCCL with one GPU a process on CUDA."""
+def test_two_processes_match_one_process_with_the_doubled_batch(
+    tmp_path: Path, device: str, extra: tuple[str, ...]
+) -> None:
+    """gloo on the CPU, NCCL with one GPU a process on CUDA; with R-Drop too."""
     corpus = write_corpus(tmp_path / "corpus", n_train=600)
     ddp_run, single_run = tmp_path / "ddp", tmp_path / "single"
     command = [
@@ -48,13 +54,15 @@ def test_two_processes_match_one_process_with_the_doubled_batch(tmp_path: Path, 
         "train",
         "--config",
         str(TINY),
-        *tiny_overrides(corpus, ddp_run, *COMMON, "train.update_freq=1", f"train.device={device}"),
+        *tiny_overrides(corpus, ddp_run, *COMMON, *extra, "train.update_freq=1", f"train.device={device}"),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
 
-    single_overrides = tiny_overrides(corpus, single_run, *COMMON, "train.update_freq=2", f"train.device={device}")
+    single_overrides = tiny_overrides(
+        corpus, single_run, *COMMON, *extra, "train.update_freq=2", f"train.device={device}"
+    )
     single = train(load_config(TINY, single_overrides))
 
     assert (ddp_run / "spm.model").read_bytes() == (single_run / "spm.model").read_bytes()

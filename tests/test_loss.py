@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from conftest import model_config
 
+from seq2seq.config import RNNConfig
 from seq2seq.data import Batch, pad
 from seq2seq.model import build_model
 from seq2seq.training.loss import batch_loss, label_smoothed_loss, symmetric_kl
@@ -58,21 +59,43 @@ def _batch() -> Batch:
     return Batch(src, src == PAD, pad([[BOS] + t[:-1] for t in tgt]), tgt_out, int((tgt_out != PAD).sum()))
 
 
-def _model(dropout: float) -> torch.nn.Module:
-    cfg = model_config(d_model=32, n_heads=4, d_ff=64, encoder_layers=2, decoder_layers=2, dropout=dropout)
-    return build_model(cfg, VOCAB, VOCAB)
+# The Transformer, and the RNN whose decoder reads the context vector at every step
+ARCHITECTURES = {
+    "transformer": {"n_heads": 4, "d_ff": 64, "encoder_layers": 2, "decoder_layers": 2},
+    "rnn-gru-context": {"arch": "rnn", "rnn": RNNConfig("gru", 2, 16, True, "none", context_every_step=True)},
+}
 
 
-def test_rdrop_without_dropout_is_the_plain_loss() -> None:
-    model, batch = _model(dropout=0.0).train(), _batch()
+def _model(dropout: float, arch: str = "transformer") -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_model(model_config(d_model=32, dropout=dropout, **ARCHITECTURES[arch]), VOCAB, VOCAB)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_without_rdrop_the_loss_is_torchs_smoothed_cross_entropy_over_real_target_tokens(arch: str) -> None:
+    model, batch = _model(dropout=0.3, arch=arch).train(), _batch()
+    torch.manual_seed(3)
+    loss, nll = batch_loss(model, batch, 0.1, rdrop_alpha=0.0)
+    torch.manual_seed(3)  # the same dropout masks
+    logits = model(batch.src, batch.src_pad_mask, batch.tgt_in)  # (B, T, V), padding included
+    flat, target = logits.flatten(0, 1), batch.tgt_out.flatten()
+    reference = F.cross_entropy(flat, target, ignore_index=PAD, label_smoothing=0.1, reduction="sum")
+    torch.testing.assert_close(loss, reference)
+    torch.testing.assert_close(nll, F.cross_entropy(flat, target, ignore_index=PAD, reduction="sum").detach())
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_rdrop_without_dropout_is_the_plain_loss(arch: str) -> None:
+    model, batch = _model(dropout=0.0, arch=arch).train(), _batch()
     plain, plain_nll = batch_loss(model, batch, 0.1)
     rdrop, rdrop_nll = batch_loss(model, batch, 0.1, rdrop_alpha=5.0)  # two identical passes: no KL
     torch.testing.assert_close(rdrop, plain)
     torch.testing.assert_close(rdrop_nll, plain_nll)
 
 
-def test_rdrop_adds_the_disagreement_of_two_dropout_passes_in_training_only() -> None:
-    model, batch = _model(dropout=0.3), _batch()
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_rdrop_adds_the_disagreement_of_two_dropout_passes_in_training_only(arch: str) -> None:
+    model, batch = _model(dropout=0.3, arch=arch), _batch()
     model.eval()
     assert torch.equal(batch_loss(model, batch, 0.1, rdrop_alpha=5.0)[0], batch_loss(model, batch, 0.1)[0])
     model.train()
@@ -85,3 +108,18 @@ def test_rdrop_adds_the_disagreement_of_two_dropout_passes_in_training_only() ->
     assert 0.5 < float(nll) / batch.n_tokens / float(torch.log(torch.tensor(VOCAB))) < 1.5
     strong.backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_rdrop_under_bf16_autocast_stays_close_to_fp32_and_backpropagates(arch: str) -> None:
+    """precision=auto picks bf16 on CPUs with native bf16: both terms are then computed from fp32 logits."""
+    model, batch = _model(dropout=0.3, arch=arch).train(), _batch()
+    torch.manual_seed(4)
+    reference, _ = batch_loss(model, batch, 0.1, rdrop_alpha=5.0)
+    torch.manual_seed(4)  # the same two dropout masks
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, nll = batch_loss(model, batch, 0.1, rdrop_alpha=5.0)
+    assert loss.dtype == nll.dtype == torch.float32
+    torch.testing.assert_close(loss, reference, rtol=0.02, atol=0.0)
+    loss.backward()
+    assert all(p.grad is not None and bool(p.grad.isfinite().all()) for p in model.parameters() if p.requires_grad)

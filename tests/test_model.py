@@ -51,6 +51,15 @@ VARIANTS = {
 RNN_VARIANTS: dict[str, dict[str, Any]] = {
     "rnn-lstm-none-unidirectional": {"cell": "lstm", "attention": "none", "bidirectional": False},
     "rnn-gru-none": {"cell": "gru", "attention": "none"},
+    # Cho et al.'s decoder (the tutorial's one-layer unidirectional GRU), and the context at every step of two layers
+    "rnn-gru-none-context-unidirectional": {
+        "cell": "gru",
+        "attention": "none",
+        "bidirectional": False,
+        "layers": 1,
+        "context_every_step": True,
+    },
+    "rnn-lstm-none-context": {"cell": "lstm", "attention": "none", "context_every_step": True},
     "rnn-lstm-dot": {"cell": "lstm", "attention": "dot"},
     "rnn-gru-general": {"cell": "gru", "attention": "general", "layers": 1},
     "rnn-lstm-mlp-untied": {"cell": "lstm", "attention": "mlp", "share_all": False},
@@ -60,9 +69,21 @@ KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}
 
 
 def rnn_overrides(
-    cell: str, attention: str, bidirectional: bool = True, layers: int = 2, share_all: bool = True
+    cell: str,
+    attention: str,
+    bidirectional: bool = True,
+    layers: int = 2,
+    share_all: bool = True,
+    context_every_step: bool = False,
 ) -> dict[str, Any]:
-    rnn = {"cell": cell, "attention": attention, "bidirectional": bidirectional, "layers": layers, "hidden_size": 12}
+    rnn = {
+        "cell": cell,
+        "attention": attention,
+        "bidirectional": bidirectional,
+        "layers": layers,
+        "hidden_size": 12,
+        "context_every_step": context_every_step,
+    }
     return {
         "arch": "rnn",
         "rnn": RNNConfig(**rnn),
@@ -550,10 +571,11 @@ def test_the_bridge_is_learned_only_for_a_bidirectional_encoder(cell: str) -> No
         assert all(s.shape == (2, 3, 12) for s in encoded.state)  # (layers, B, H), directions side by side
 
 
+@pytest.mark.parametrize("context_every_step", [False, True])
 @torch.no_grad()
-def test_without_attention_only_the_final_state_reaches_the_decoder() -> None:
+def test_without_attention_only_the_final_state_reaches_the_decoder(context_every_step: bool) -> None:
     """The fixed-vector model: a source that ends in the same state gives the same translation."""
-    model = tiny_model(**rnn_overrides("lstm", "none"))
+    model = tiny_model(**rnn_overrides("lstm", "none", context_every_step=context_every_step))
     src, mask = source_batch()
     tgt = target_batch()
     encoded = model.encode(src, mask)
@@ -574,3 +596,30 @@ def test_bf16_autocast_trains_and_stays_close_to_fp32(name: str) -> None:
     logits.float().sum().backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
     torch.testing.assert_close(logits.float(), reference, atol=0.1, rtol=0.05)
+
+
+@pytest.mark.parametrize("name", ["rnn-gru-none-context-unidirectional", "rnn-lstm-none-context"])
+@torch.no_grad()
+def test_the_context_vector_is_the_initial_top_state_and_every_step_reads_it(name: str) -> None:
+    """Cho et al.'s decoder: c = the decoder's initial top-layer h, in the input of every step and in the readout."""
+    model = tiny_model(**variant(name))
+    src, mask = source_batch()
+    tgt = target_batch()
+    cache = model.init_cache(model.encode(src, mask), mask)
+    assert cache.context is not None
+    torch.testing.assert_close(cache.context, cache.state[0][-1], rtol=0, atol=0)
+    D, H = 16, 12
+    assert model.decoder.rnn.input_size == D + H and model.decoder.readout.in_features == D + 2 * H
+    expected = model.decoder(tgt, cache)
+    cache = model.init_cache(model.encode(src, mask), mask)  # the same initial state, another context
+    assert cache.context is not None
+    cache.context = torch.randn_like(cache.context)
+    changed = (model.decoder(tgt, cache) - expected).abs().amax(dim=-1)  # (B, T)
+    assert (changed > 1e-4).all()  # every position, the last included
+
+
+def test_the_default_fixed_vector_decoder_has_no_context_vector() -> None:
+    model = tiny_model(**rnn_overrides("gru", "none"))
+    src, mask = source_batch()
+    assert model.init_cache(model.encode(src, mask), mask).context is None
+    assert model.decoder.rnn.input_size == 16 and model.decoder.readout.in_features == 12

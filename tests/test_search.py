@@ -431,7 +431,14 @@ def test_beam_size_one_is_greedy_on_the_tiny_model(
 
 # Every architecture (untrained, so with arbitrary distributions): the search-level proofs.
 
-ARCHITECTURES = ["relative", "rope", "rnn-lstm-none-unidirectional", "rnn-gru-general", "rnn-lstm-mlp-untied"]
+ARCHITECTURES = [
+    "relative",
+    "rope",
+    "rnn-lstm-none-unidirectional",
+    "rnn-gru-none-context-unidirectional",
+    "rnn-gru-general",
+    "rnn-lstm-mlp-untied",
+]
 
 
 @pytest.mark.parametrize("name", ARCHITECTURES)

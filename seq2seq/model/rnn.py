@@ -4,7 +4,12 @@ Notation: B batch, S source length, T target length, D embedding size (model.d_m
 H the decoder's hidden size (model.rnn.hidden_size), L layers, V vocabulary.
 
 `attention: none` is the fixed-vector model: the encoder's last state, through
-the bridge, is all the decoder ever learns of the source.
+the bridge, is all the decoder ever learns of the source. By default
+(Sutskever et al.) it is only the decoder's initial state, which each step
+may overwrite; with `context_every_step` (Cho et al., 2014) its top layer is
+the context vector c, concatenated to the decoder's input at every step and to
+what the readout reads, a_t = tanh(W_c [y_{t-1}; d_t; c]) (Cho et al. use a
+maxout there), so the last step still sees the source as the first did.
 
 With attention this is Luong et al.'s global attention with input feeding,
 rather than Bahdanau et al.'s context inside the recurrence, because:
@@ -132,14 +137,24 @@ class GlobalAttention(nn.Module):
 
 class RNNCache:
     """What decoding carries between steps: the recurrent state, the last attentional vector
-    (input feeding) and, for attention, the encoder states, their keys and the padding mask."""
+    (input feeding) and, for attention, the encoder states, their keys and the padding mask;
+    for a decoder that reads it at every step, the context vector."""
 
-    def __init__(self, state: State, feed: Tensor | None, memory: Tensor, keys: Tensor | None, pad_mask: Tensor):
+    def __init__(
+        self,
+        state: State,
+        feed: Tensor | None,
+        memory: Tensor,
+        keys: Tensor | None,
+        pad_mask: Tensor,
+        context: Tensor | None = None,
+    ):
         self.state = state  # (L, N, H) each
         self.feed = feed  # (N, D), or None without attention
         self.memory = memory  # (N, S, H)
         self.keys = keys  # (N, S, H), or None without attention
         self.pad_mask = pad_mask  # (N, S) True at padding
+        self.context = context  # (N, H) the fixed context vector c, or None unless model.rnn.context_every_step
         # None: nothing recorded. A record: each step keeps its alignment weights (N, 1, 1, S) in
         # `attention.steps` (one layer, one head, like the Transformer's (N, L, H, S)), rows as they are then.
         self.attention: AttentionRecord | None = None
@@ -155,17 +170,20 @@ class RNNCache:
             self.feed = self.feed.index_select(0, index)
 
     def select(self, index: Tensor) -> None:
-        """Keep (or repeat) whole rows, the encoder states included."""
+        """Keep (or repeat) whole rows, the encoder states (and the context vector, a sentence's own) included."""
         self.reorder(index)
         self.memory = self.memory.index_select(0, index)
         self.pad_mask = self.pad_mask.index_select(0, index)
         if self.keys is not None:
             self.keys = self.keys.index_select(0, index)
+        if self.context is not None:
+            self.context = self.context.index_select(0, index)
 
 
 class RNNDecoder(nn.Module):
-    """An RNN over the target whose attentional vector a_t = tanh(W_c [c_t; d_t]) (or tanh(W_c d_t)
-    without attention) is D wide, so the output layer can share the embedding matrix."""
+    """An RNN over the target whose attentional vector a_t is D wide, so the output layer can share the
+    embedding matrix: tanh(W_c [c_t; d_t]) with attention; without, tanh(W_c d_t), or
+    tanh(W_c [y_{t-1}; d_t; c]) with the context vector c at every step."""
 
     def __init__(
         self,
@@ -174,21 +192,23 @@ class RNNDecoder(nn.Module):
         attention: GlobalAttention | None,
         output: nn.Linear,
         dropout: float,
+        context_every_step: bool = False,
     ) -> None:
         super().__init__()
         self.embedding = embedding
         self.rnn = rnn
         self.attention = attention
+        self.context_every_step = context_every_step
         H, D = rnn.hidden_size, output.in_features
-        self.readout = nn.Linear(H * (2 if attention is not None else 1), D)  # W_c
+        read = 2 * H if attention is not None else D + 2 * H if context_every_step else H
+        self.readout = nn.Linear(read, D)  # W_c
         self.dropout = nn.Dropout(dropout)
         self.output = output  # (V, D) weight, tied to the embedding unless configured otherwise
 
     def forward(self, tgt_in: Tensor, cache: RNNCache, select: Tensor | None = None) -> Tensor:
         x = self.embedding(tgt_in)  # (B, T, D)
         if self.attention is None:
-            out, cache.state = run_rnn(self.rnn, x, cache.state)
-            a = torch.tanh(self.readout(out))  # (B, T, D)
+            a = self.fixed_vector_steps(x, cache)  # (B, T, D)
         else:
             a = torch.stack([self.attend_step(x[:, t], cache) for t in range(x.shape[1])], dim=1)
         a = self.dropout(a)
@@ -199,16 +219,26 @@ class RNNDecoder(nn.Module):
     def step(self, tokens: Tensor, cache: RNNCache) -> Tensor:
         """Logits (B, V) for the next position; the alignment weights go into the cache's attention record
         when it has one."""
-        x = self.embedding(tokens)[:, 0]  # (B, D)
+        x = self.embedding(tokens)  # (B, 1, D)
         if self.attention is None:
-            out, cache.state = run_rnn(self.rnn, x[:, None], cache.state)
-            a = torch.tanh(self.readout(out[:, 0]))
+            a = self.fixed_vector_steps(x, cache)[:, 0]
         else:
             with recording(cache.attention):
-                a = self.attend_step(x, cache)
+                a = self.attend_step(x[:, 0], cache)
             if cache.attention is not None:
                 cache.attention.end_step()
         return self.output(self.dropout(a))  # (B, V)
+
+    def fixed_vector_steps(self, x: Tensor, cache: RNNCache) -> Tensor:
+        """Steps without attention, the whole target in one call (training) or one (search):
+        x (B, T, D) -> a (B, T, D); updates the cache's state."""
+        if not self.context_every_step:
+            out, cache.state = run_rnn(self.rnn, x, cache.state)
+            return torch.tanh(self.readout(out))
+        assert cache.context is not None
+        c = cache.context[:, None].expand(-1, x.shape[1], -1)  # (B, T, H)
+        out, cache.state = run_rnn(self.rnn, torch.cat([x, c], dim=-1), cache.state)
+        return torch.tanh(self.readout(torch.cat([x, out, c], dim=-1)))
 
     def attend_step(self, x: Tensor, cache: RNNCache) -> Tensor:
         """One step with attention and input feeding: x (B, D) -> a_t (B, D); updates the cache."""
@@ -248,10 +278,12 @@ class Seq2SeqRNN(nn.Module):
         return self.encoder(src, src_pad_mask)
 
     def init_cache(self, encoded: Encoded, src_pad_mask: Tensor) -> RNNCache:
-        """Bridge the final states; project the encoder states to attention keys, once per sentence."""
+        """Bridge the final states; project the encoder states to attention keys, once per sentence.
+        The context vector, when the decoder reads one at every step, is its initial state's top layer (h)."""
         state, memory, attention = self.bridge(encoded.state), encoded.memory, self.decoder.attention
         if attention is None:
-            return RNNCache(state, None, memory, None, src_pad_mask)
+            context = state[0][-1] if self.decoder.context_every_step else None  # (B, H)
+            return RNNCache(state, None, memory, None, src_pad_mask, context)
         feed = memory.new_zeros(memory.shape[0], self.decoder.output.in_features)  # a_0 = 0
         return RNNCache(state, feed, memory, attention.keys(memory), src_pad_mask)
 
@@ -277,7 +309,8 @@ def build_rnn(cfg: ModelConfig, src_vocab_size: int, tgt_vocab_size: int) -> Seq
         d, r.hidden_size // directions, r.layers, batch_first=True, dropout=between, bidirectional=r.bidirectional
     )
     attention = None if r.attention == "none" else GlobalAttention(r.attention, r.hidden_size)
-    decoder_rnn = cell(d * (2 if attention else 1), r.hidden_size, r.layers, batch_first=True, dropout=between)
+    fed = d if attention else r.hidden_size if r.context_every_step else 0  # input feeding; the context vector
+    decoder_rnn = cell(d + fed, r.hidden_size, r.layers, batch_first=True, dropout=between)
     output = output_layer(cfg, tgt_tokens, tgt_vocab_size)
 
     def embedding(tokens: nn.Embedding) -> Embedding:
@@ -285,5 +318,5 @@ def build_rnn(cfg: ModelConfig, src_vocab_size: int, tgt_vocab_size: int) -> Seq
 
     encoder = RNNEncoder(embedding(src_tokens), encoder_rnn)
     bridge = Bridge(r.hidden_size, 2 if r.cell == "lstm" else 1, learned=r.bidirectional)
-    decoder = RNNDecoder(embedding(tgt_tokens), decoder_rnn, attention, output, cfg.dropout)
+    decoder = RNNDecoder(embedding(tgt_tokens), decoder_rnn, attention, output, cfg.dropout, r.context_every_step)
     return Seq2SeqRNN(encoder, bridge, decoder)
