@@ -26,6 +26,8 @@ from seq2seq.translate import Translator
 
 pytest.importorskip("starlette", reason="seq2seq serve needs the serve extra: pip install -e '.[serve]'")
 
+from test_serve import Server, asgi  # noqa: E402
+
 from seq2seq.serve.app import create_app  # noqa: E402  (after the skip)
 from seq2seq.serve.batcher import Batcher  # noqa: E402
 from seq2seq.serve.engine import TranslatorEngine  # noqa: E402
@@ -33,23 +35,6 @@ from seq2seq.serve.engine import TranslatorEngine  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 Answer = tuple[int, dict[str, str], bytes]
-
-
-async def asgi(app: Any, method: str, path: str, body: bytes = b"") -> Answer:
-    """One request straight through the ASGI interface: status, headers and body."""
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http"}
-    scope |= {"path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "headers": []}
-    sent: list[dict[str, Any]] = []
-
-    async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    await app(scope, receive, send)
-    headers = {k.decode(): v.decode() for k, v in sent[0]["headers"]}
-    return sent[0]["status"], headers, b"".join(m.get("body", b"") for m in sent[1:])
 
 
 def ask(translators: dict[str, Translator], *requests: tuple[str, str, Any], **limits: Any) -> list[Answer]:
@@ -233,8 +218,6 @@ def test_the_page_is_served_whole_with_nothing_from_elsewhere(translator: Transl
 
 
 def test_several_c_without_compare_are_still_one_ensemble(checkpoint: Path, translator: Translator) -> None:
-    from test_serve import Server
-
     server = Server(checkpoint, "-c", str(checkpoint))
     try:
         status, info = server.get("/info")

@@ -385,7 +385,8 @@ def test_internal_error_is_a_500_with_an_id_that_is_logged(caplog: pytest.LogCap
     async def run() -> tuple[int, bytes]:
         batcher.start()
         try:
-            return await _asgi_post(app, "/translate", b'{"text": ["red cat"]}')
+            status, _, body = await asgi(app, "POST", "/translate", b'{"text": ["red cat"]}')
+            return status, body
         finally:
             await batcher.stop()
 
@@ -399,9 +400,9 @@ def test_internal_error_is_a_500_with_an_id_that_is_logged(caplog: pytest.LogCap
     assert b"Traceback" not in raw and b"the engine broke" not in raw
 
 
-async def _asgi_post(app: Any, path: str, body: bytes) -> tuple[int, bytes]:
-    """One POST straight through the ASGI interface, as a server would make it."""
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http"}
+async def asgi(app: Any, method: str, path: str, body: bytes = b"") -> tuple[int, dict[str, str], bytes]:
+    """One request straight through the ASGI interface, as a server would make it: status, headers, body."""
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http"}
     scope |= {"path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "headers": []}
     sent: list[dict[str, Any]] = []
 
@@ -412,4 +413,5 @@ async def _asgi_post(app: Any, path: str, body: bytes) -> tuple[int, bytes]:
         sent.append(message)
 
     await app(scope, receive, send)
-    return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
+    headers = {k.decode(): v.decode() for k, v in sent[0]["headers"]}
+    return sent[0]["status"], headers, b"".join(m.get("body", b"") for m in sent[1:])
