@@ -139,7 +139,7 @@ def test_evaluate_scores_one_pair_at_a_time(multi_run: Path, capsys: pytest.Capt
 
 def test_the_server_takes_a_target_language_per_request(multi_run: Path) -> None:
     pytest.importorskip("starlette")
-    from test_serve import _asgi_post
+    from test_serve import asgi_post
 
     from seq2seq.serve.app import create_app
     from seq2seq.serve.batcher import Batcher
@@ -154,7 +154,7 @@ def test_the_server_takes_a_target_language_per_request(multi_run: Path) -> None
     async def run() -> list[tuple[int, bytes]]:
         batcher.start()
         try:
-            return [await _asgi_post(app, "/translate", body) for body in bodies]
+            return [await asgi_post(app, "/translate", body) for body in bodies]
         finally:
             await batcher.stop()
 

@@ -385,8 +385,7 @@ def test_internal_error_is_a_500_with_an_id_that_is_logged(caplog: pytest.LogCap
     async def run() -> tuple[int, bytes]:
         batcher.start()
         try:
-            status, _, body = await asgi(app, "POST", "/translate", b'{"text": ["red cat"]}')
-            return status, body
+            return await asgi_post(app, "/translate", b'{"text": ["red cat"]}')
         finally:
             await batcher.stop()
 
@@ -415,3 +414,9 @@ async def asgi(app: Any, method: str, path: str, body: bytes = b"") -> tuple[int
     await app(scope, receive, send)
     headers = {k.decode(): v.decode() for k, v in sent[0]["headers"]}
     return sent[0]["status"], headers, b"".join(m.get("body", b"") for m in sent[1:])
+
+
+async def asgi_post(app: Any, path: str, body: bytes) -> tuple[int, bytes]:
+    """A POST through `asgi`: its status and body."""
+    status, _, raw = await asgi(app, "POST", path, body)
+    return status, raw

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from conftest import WORDS
-from test_serve import RecordingEngine, Server, _asgi_post, _serve_fails
+from test_serve import RecordingEngine, Server, _serve_fails, asgi_post
 
 from seq2seq.cli import main
 from seq2seq.config import DecodeConfig
@@ -195,7 +195,7 @@ def test_a_failing_batch_is_decoded_again_one_request_at_a_time(
     async def run() -> list[tuple[int, bytes]]:
         batcher.start()
         try:
-            return await asyncio.gather(*(_asgi_post(app, "/translate", body) for body in bodies))
+            return await asyncio.gather(*(asgi_post(app, "/translate", body) for body in bodies))
         finally:
             await batcher.stop()
 
