@@ -287,12 +287,12 @@ def _serve(args: argparse.Namespace) -> int:
     """The model loads once the port is bound, so that a busy port fails before a long load."""
     options = _from_args(serve_options.ServeOptions, args)
     serve_options.require_extra()
-    from seq2seq.app.model import ModelOptions
     from seq2seq.serve.engine import open_engine
     from seq2seq.serve.server import serve
 
+    shared = _model_options(args)  # engine, device, threads and overrides; each model its own paths
     models = {
-        name: ModelOptions(paths, args.engine, args.device, args.threads, tuple(args.overrides))
+        name: dataclasses.replace(shared, paths=paths)
         for name, paths in serve_options.served_models(args.checkpoint or [], args.model, args.compare)
     }
     return serve(lambda: {name: open_engine(model) for name, model in models.items()}, options)
