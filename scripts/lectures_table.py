@@ -35,6 +35,7 @@ class Run:
     updates: int
     epochs: int
     tokens_per_s: float
+    minutes: float  # training wall time across resumes, at the last validation
     best_valid_bleu: float
     scores: dict[str, float]
     greedy: dict[str, float]
@@ -64,6 +65,7 @@ def read_run(run_dir: Path) -> Run:
         updates=finished[-1]["step"],
         epochs=finished[-1]["epoch"],
         tokens_per_s=statistics.median(rates) if rates else float("nan"),
+        minutes=max((r["minutes"] for r in records if r["event"] == "valid" and "minutes" in r), default=float("nan")),
         best_valid_bleu=max(valid, default=float("nan")),
         scores=scores,
         greedy=read_scores(run_dir / "test_scores_greedy.txt"),
@@ -76,15 +78,16 @@ def score(scores: dict[str, float], name: str) -> str:
 
 def table(runs: list[Run], decode_seconds: dict[str, float]) -> str:
     rows = [
-        "| run | parameters | updates (in epoch) | training tok/s | decoding sent/s | best val BLEU | "
+        "| run | parameters | updates (in epoch) | train min | training tok/s | decoding sent/s | best val BLEU | "
         "test sacreBLEU | chrF | test lc tok BLEU | same, greedy |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         seconds = decode_seconds.get(r.name)
         speed = f"{TEST_SENTENCES / seconds:.0f}" if seconds else "-"
         rows.append(
-            f"| {r.name} | {r.params:.1f}M | {r.updates} ({r.epochs}) | {r.tokens_per_s:.0f} | {speed} | "
+            f"| {r.name} | {r.params:.1f}M | {r.updates} ({r.epochs}) | {r.minutes:.0f} | "
+            f"{r.tokens_per_s:.0f} | {speed} | "
             f"{r.best_valid_bleu:.2f} | {score(r.scores, 'BLEU')} | {score(r.scores, 'chrF')} | "
             f"{score(r.scores, TOKENIZED)} | {score(r.greedy, TOKENIZED)} |"
         )

@@ -174,6 +174,9 @@ def test_lectures_table_reads_a_run_and_its_scores(
     params = (trained_run / "train.log").read_text().split("model: ")[1].split("M parameters")[0]
     assert columns["run"] == "tiny" and columns["parameters"] == f"{float(params):.1f}M"
     assert columns["decoding sent/s"] == "50"  # 1,000 test sentences in 20 s
+    records = map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+    minutes = [r["minutes"] for r in records if "minutes" in r]
+    assert columns["train min"] == f"{max(minutes):.0f}"  # the training wall time at its last validation
     assert columns["test sacreBLEU"] == f"{float(bleu):.2f}" and columns["chrF"] == f"{float(chrf):.2f}"
     assert columns["same, greedy"] == "-"  # no test_scores_greedy.txt
 
