@@ -1,16 +1,23 @@
 #!/usr/bin/env bash
 # Proves the CUDA path on a machine with a GPU; says so and exits 0 where there is none.
 #
-# 1. the equivalence tests parametrized by device (tests/conftest.py `device`) on CUDA, then the whole suite;
-# 2. the quickstart config for 300 updates in fp32, bf16 and fp16 (gradient scaler) on CUDA;
+# 1. the equivalence tests parametrized by device (tests/conftest.py `device`) on CUDA;
+# 2. the quickstart config for $STEPS updates (default 300) in fp32, bf16 and fp16 (gradient scaler) on
+#    CUDA, with the median training tok/s of each;
 # 3. translate and evaluate of the fp32 run on CUDA, and serve answering one request on CUDA;
-# 4. the peer suite's training and decoding against HF on the GPU, where ../shared/bench-peers exists.
+# 4. the whole test suite last, since it is the longest and mostly runs on the CPU.
 # Everything is written to $OUT (default runs/gpu_check); the summary is $OUT/summary.txt.
+#
+# PYTHON and SEQ2SEQ name an interpreter that already has the package (for a machine with its own
+# CUDA build of torch and no network); without them the project's .venv is used, made if missing.
+# PYTEST_ARGS adds arguments to the whole-suite run (`-n 8` where pytest-xdist is installed).
+# The peer suite (../shared/bench-peers) is not run here: its adapters train and decode on the CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ -x .venv/bin/python ] || bash scripts/setup.sh
-PY=.venv/bin/python
-S2S=.venv/bin/seq2seq
+if [[ -z ${PYTHON:-} && ! -x .venv/bin/python ]]; then bash scripts/setup.sh; fi
+PY=${PYTHON:-.venv/bin/python}
+S2S=${SEQ2SEQ:-.venv/bin/seq2seq}
+STEPS=${STEPS:-300}
 if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "gpu_check: no CUDA device: nothing to check (torch $($PY -c 'import torch; print(torch.__version__)'))"
   exit 0
@@ -20,50 +27,66 @@ mkdir -p "$OUT"
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
 note() { echo "$*" | tee -a "$SUMMARY"; }
-note "device: $($PY -c 'import torch; print(torch.cuda.get_device_name(0), "torch", torch.__version__)')"
+note "device: $($PY -c 'import torch; print(torch.cuda.get_device_name(0), "torch", torch.__version__, "cuda", torch.version.cuda)')"
 
-note "== tests"
-if $PY -m pytest -q -k cuda -rs > "$OUT/tests_cuda.log" 2>&1; then note "equivalence tests on CUDA: $(tail -1 "$OUT/tests_cuda.log")"; else note "equivalence tests on CUDA FAILED: $(grep -E '^FAILED' "$OUT/tests_cuda.log" | head -5 | tr '\n' ' ')"; fi
-if $PY -m pytest -q -x > "$OUT/tests.log" 2>&1; then note "tests: $(tail -1 "$OUT/tests.log")"; else note "tests FAILED: $(tail -1 "$OUT/tests.log")"; fi
+note "== equivalence tests on CUDA"
+if $PY -m pytest -q -p no:cacheprovider -k cuda -rs > "$OUT/tests_cuda.log" 2>&1; then
+  note "equivalence tests on CUDA: $(grep -E '(passed|failed)' "$OUT/tests_cuda.log" | tail -1)"
+else
+  note "equivalence tests on CUDA FAILED: $(grep -E '^(FAILED|ERROR)' "$OUT/tests_cuda.log" | head -8 | tr '\n' ' ')"
+fi
 
-note "== quickstart, 300 updates on CUDA"
+note "== quickstart, $STEPS updates on CUDA"
 SEQ2SEQ_DATA_MIRROR=${SEQ2SEQ_DATA_MIRROR:-../shared/data/multi30k} $S2S download --langs de,en --dest data/multi30k
+median_tok_s() {  # the median training tokens/s of a run's metrics.jsonl
+  $PY -c "import json, statistics, sys
+rates = [r['tokens_per_s'] for r in map(json.loads, open(sys.argv[1])) if r.get('event') == 'train']
+print(f'{statistics.median(rates):.0f} tok/s (median of {len(rates)})' if rates else 'no tok/s logged')" "$1"
+}
 for precision in fp32 bf16 fp16; do
   run="$OUT/quickstart_$precision"
   rm -rf "$run"
   if $S2S train --config configs/quickstart.yaml "train.run_dir=$run" train.device=cuda "train.precision=$precision" \
-      train.max_steps=300 train.max_minutes=0 > "$OUT/train_$precision.log" 2>&1; then
-    note "train $precision: $(grep -o 'step 300: valid .*' "$run/train.log" | tail -1)"
+      "train.max_steps=$STEPS" train.max_minutes=0 > "$OUT/train_$precision.log" 2>&1; then
+    note "train $precision: $(grep -o "step $STEPS: valid .*" "$run/train.log" | tail -1); $(median_tok_s "$run/metrics.jsonl")"
   else
-    note "train $precision FAILED: $(tail -1 "$OUT/train_$precision.log")"
+    note "train $precision FAILED: $(tail -3 "$OUT/train_$precision.log" | tr '\n' ' ')"
   fi
 done
 
 note "== translate / evaluate / serve on CUDA"
 ckpt="$OUT/quickstart_fp32/checkpoint_best.pt"
-printf 'Ein Mann fährt Fahrrad.\nZwei Hunde spielen im Schnee.\n' | $S2S translate -c "$ckpt" --device cuda > "$OUT/translate.txt"
-note "translate: $(tr '\n' '|' < "$OUT/translate.txt")"
-$S2S evaluate -c "$ckpt" --device cuda > "$OUT/evaluate.txt" 2>&1 && note "evaluate: $(head -1 "$OUT/evaluate.txt")"
+if printf 'Ein Mann fährt Fahrrad.\nZwei Hunde spielen im Schnee.\n' | $S2S translate -c "$ckpt" --device cuda \
+    > "$OUT/translate.txt" 2> "$OUT/translate.log"; then
+  note "translate: $(tr '\n' '|' < "$OUT/translate.txt")"
+else
+  note "translate FAILED: $(tail -3 "$OUT/translate.log" | tr '\n' ' ')"
+fi
+if $S2S evaluate -c "$ckpt" --device cuda > "$OUT/evaluate.txt" 2> "$OUT/evaluate.log"; then
+  note "evaluate: $(head -1 "$OUT/evaluate.txt")"
+else
+  note "evaluate FAILED: $(tail -3 "$OUT/evaluate.log" | tr '\n' ' ')"
+fi
 port=$($PY -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
 $S2S serve -c "$ckpt" --device cuda --port "$port" > "$OUT/serve.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null || true' EXIT
 answer=""
 for _ in $(seq 120); do
+  kill -0 $server 2>/dev/null || break
   answer=$(curl -s -X POST "http://127.0.0.1:$port/translate" -H 'content-type: application/json' \
     -d '{"text": ["Ein Mann fährt Fahrrad."]}' || true)
-  [ -n "$answer" ] && break
+  [[ -n $answer ]] && break
   sleep 1
 done
-note "serve: ${answer:-no answer (see $OUT/serve.log)}"
+note "serve: ${answer:-no answer: $(tail -2 "$OUT/serve.log" | tr '\n' ' ')}"
+kill $server 2>/dev/null || true
 
-if [ -d ../shared/bench-peers ]; then
-  note "== peer suite on the GPU"
-  bash ../shared/bench-peers/setup.sh > "$OUT/peers_setup.log" 2>&1 || note "peer setup failed (see $OUT/peers_setup.log)"
-  P=${PEERS_VENV:-$HOME/.cache/peers-venv}/bin/python
-  SEQ2SEQ_SRC=$PWD $P ../shared/bench-peers/train_interleaved.py --config tiny --peers train_seq2seq,train_hf \
-    > "$OUT/peers_train.txt" 2>&1 && note "peers train: $(tail -2 "$OUT/peers_train.txt" | tr '\n' ' ')"
-  SEQ2SEQ_SRC=$PWD $P ../shared/bench-peers/decode_interleaved.py --config tiny --beam 5 \
-    > "$OUT/peers_decode.txt" 2>&1 && note "peers decode: $(tail -2 "$OUT/peers_decode.txt" | tr '\n' ' ')"
+note "== the whole suite"
+# shellcheck disable=SC2086  # PYTEST_ARGS is words
+if $PY -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-} > "$OUT/tests.log" 2>&1; then
+  note "tests: $(grep -E '(passed|failed)' "$OUT/tests.log" | tail -1)"
+else
+  note "tests FAILED: $(grep -E '^(FAILED|ERROR)' "$OUT/tests.log" | head -8 | tr '\n' ' ') $(grep -E '(passed|failed)' "$OUT/tests.log" | tail -1)"
 fi
 note "gpu_check: done; summary in $SUMMARY"
