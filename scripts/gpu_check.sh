@@ -2,8 +2,8 @@
 # Proves the CUDA path on a machine with a GPU; says so and exits 0 where there is none.
 #
 # 1. the equivalence tests parametrized by device (tests/conftest.py `device`) on CUDA;
-# 2. the quickstart config for $STEPS updates (default 300) in fp32, bf16 and fp16 (gradient scaler) on
-#    CUDA, with the median training tok/s of each;
+# 2. the quickstart config for $STEPS updates (default 300) in each of $PRECISIONS (default fp32, bf16 and
+#    fp16 with its gradient scaler) on CUDA, with the median training tok/s of each;
 # 3. translate and evaluate of the fp32 run on CUDA, and serve answering one request on CUDA;
 # 4. the whole test suite last, since it is the longest and mostly runs on the CPU.
 # Everything is written to $OUT (default runs/gpu_check); the summary is $OUT/summary.txt.
@@ -18,6 +18,7 @@ if [[ -z ${PYTHON:-} && ! -x .venv/bin/python ]]; then bash scripts/setup.sh; fi
 PY=${PYTHON:-.venv/bin/python}
 S2S=${SEQ2SEQ:-.venv/bin/seq2seq}
 STEPS=${STEPS:-300}
+PRECISIONS=${PRECISIONS:-fp32 bf16 fp16}
 if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "gpu_check: no CUDA device: nothing to check (torch $($PY -c 'import torch; print(torch.__version__)'))"
   exit 0
@@ -43,7 +44,7 @@ median_tok_s() {  # the median training tokens/s of a run's metrics.jsonl
 rates = [r['tokens_per_s'] for r in map(json.loads, open(sys.argv[1])) if r.get('event') == 'train']
 print(f'{statistics.median(rates):.0f} tok/s (median of {len(rates)})' if rates else 'no tok/s logged')" "$1"
 }
-for precision in fp32 bf16 fp16; do
+for precision in $PRECISIONS; do
   run="$OUT/quickstart_$precision"
   rm -rf "$run"
   if $S2S train --config configs/quickstart.yaml "train.run_dir=$run" train.device=cuda "train.precision=$precision" \

@@ -312,10 +312,29 @@ def check_shapes(config: ExperimentConfig, tokenizer: Tokenizer, weights: Mappin
 
 
 def save(path: str | Path, checkpoint: Checkpoint) -> None:
-    """Write `checkpoint` atomically, with its content checksum."""
-    raw = checkpoint.to_dict()
+    """Write `checkpoint` atomically, with its content checksum, every tensor in CPU memory."""
+    raw = _on_cpu(checkpoint.to_dict(), {})
     raw["sha256"] = content_hash(raw)
     atomic_save(raw, path)
+
+
+def _on_cpu(value: Any, copies: dict[tuple[Any, ...], torch.Tensor]) -> Any:
+    """`value` with its GPU tensors copied to the CPU, so a checkpoint written by a CUDA run loads anywhere.
+
+    Views of the same memory (tied embeddings) get one copy, so the file stores them once, as on the CPU.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.device.type == "cpu":
+            return value
+        key = (value.untyped_storage().data_ptr(), value.storage_offset(), value.shape, value.stride(), value.dtype)
+        if key not in copies:
+            copies[key] = value.detach().cpu()
+        return copies[key]
+    if isinstance(value, dict):
+        return {k: _on_cpu(v, copies) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_cpu(v, copies) for v in value)
+    return value
 
 
 def read(path: str | Path) -> Checkpoint:

@@ -121,6 +121,29 @@ def test_a_fixed_vector_rnn_saved_before_context_every_step_existed_loads_as_it_
         assert torch.equal(loaded.model(src, src == 0, tgt), model(src, src == 0, tgt))
 
 
+def test_a_checkpoint_of_a_model_on_any_device_is_written_in_cpu_memory_and_reads_back_equal(
+    tmp_path: Path, tokenizer: Tokenizer, device: torch.device
+) -> None:
+    cfg = load_config(TINY)
+    model = model_with_seed(cfg, tokenizer, 0).to(device)
+    optimizer = torch.optim.Adam(model.parameters())
+    tokens = torch.full((2, 3), 5, device=device)
+    model(tokens, tokens == 0, tokens).sum().backward()
+    optimizer.step()
+    training = TrainingState(Progress(step=1, epoch=1), optimizer.state_dict(), {})
+    ckpt.save(tmp_path / "c.pt", Checkpoint(cfg, tokenizer, model.state_dict(), "r1", training=training))
+
+    raw = torch.load(tmp_path / "c.pt", weights_only=True)  # no map_location: the file itself says where
+    loaded = ckpt.read(tmp_path / "c.pt")
+    for name, tensor in model.state_dict().items():
+        assert raw["model"][name].device.type == "cpu", name
+        assert torch.equal(loaded.model[name], tensor.cpu()), name
+    for state in raw["train_state"]["optimizer"]["state"].values():
+        assert all(value.device.type == "cpu" for value in state.values())
+    embedding, output = raw["model"]["encoder.embedding.tokens.weight"], raw["model"]["decoder.output.weight"]
+    assert embedding.untyped_storage().data_ptr() == output.untyped_storage().data_ptr()  # tied: stored once
+
+
 def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path: Path) -> None:
     path = tmp_path / "checkpoint_last.pt"
     atomic_save({"format": "old"}, path)
