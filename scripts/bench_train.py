@@ -19,6 +19,10 @@ by target and source length (`seq2seq.data.bucket`): the same update on
 batches of the same token budget with less padding. Its batches differ, so it
 times the first `--rounds x --steps` batches of each epoch order and also
 prints the padding of each order over the whole epoch.
+With `--device cuda`, `--compare gpu-precision` sets fp32 against bf16
+autocast and `--compare gpu-attention` sets PyTorch's choice of attention
+kernel in bf16 against its memory-efficient kernel, both as `seq2seq train`
+runs them on a GPU (PyTorch's kernel choice).
 Models:
 
 - quickstart: configs/quickstart.yaml (3+3 layers, d_model 256, d_ff 1024)
@@ -121,6 +125,8 @@ SETTINGS: dict[str, dict[str, Setting]] = {
     "rdrop": {"plain": Setting(), "rdrop": Setting(rdrop=5.0)},
     "compile": {"eager": Setting(), "compiled": Setting(compiled=True)},
     "batching": {"longer-side": Setting(), "both-sides": Setting()},
+    "gpu-precision": {"fp32": Setting("fp32"), "bf16": Setting("bf16")},
+    "gpu-attention": {"pytorch": Setting("bf16"), "efficient": Setting("bf16", SDPBackend.EFFICIENT_ATTENTION)},
 }
 
 
@@ -129,7 +135,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger().handlers[0].setLevel(logging.WARNING)  # the run log goes to the temporary run dir
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU: {_cpu()}")
+    device = torch.device(args.device)
+    where = f", GPU: {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU: {_cpu()}{where}")
     if args.compare == "precision":
         _bench_matmul(args.rounds)
     tokenizer = _tokenizer(args)
@@ -154,7 +162,13 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="timed updates per setting per round")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--compare", choices=list(SETTINGS), default="precision")
-    return p.parse_args()
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    args = p.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here")
+    if args.compare.startswith("gpu-") and args.device != "cuda":
+        p.error(f"--compare {args.compare} needs --device cuda")
+    return args
 
 
 def _cpu() -> str:
@@ -185,7 +199,7 @@ def _config(args: argparse.Namespace, name: str, run_dir: str) -> ExperimentConf
         f"data.src_lang={args.langs.split(',')[0]}",
         f"data.tgt_lang={args.langs.split(',')[1]}",
         f"train.run_dir={run_dir}",
-        "train.device=cpu",
+        f"train.device={args.device}",
         "train.valid_bleu=false",
         f"train.max_tokens={args.max_tokens}",
         f"train.threads={args.threads}",
@@ -275,11 +289,12 @@ def _bench_matmul(rounds: int) -> None:
 
 
 def _update_step(trainer: Trainer, setting: Setting) -> UpdateStep:
-    """The trainer's update (same model and optimizer) with one setting changed; `auto` is this CPU's choice."""
-    precision = resolve_precision(setting.precision, torch.device("cpu"))
+    """The trainer's update (same model and optimizer) with one setting changed; `auto` is this device's choice."""
+    device = next(trainer.model.parameters()).device
+    precision = resolve_precision(setting.precision, device)
     kernel = setting.kernel
     if kernel == TRAINERS:
-        kernel = training_kernel(torch.device("cpu"), precision)
+        kernel = training_kernel(device, precision)
     assert not isinstance(kernel, str)
     model = torch.compile(trainer.model, dynamic=True) if setting.compiled else trainer.model  # the same parameters
     return dataclasses.replace(
@@ -289,10 +304,13 @@ def _update_step(trainer: Trainer, setting: Setting) -> UpdateStep:
 
 def _rate(update: UpdateStep, trainer: Trainer, steps: Iterator[int], batches: list[Batch]) -> float:
     """Target tokens per second of full training updates, one batch per update."""
+    synchronize = torch.cuda.synchronize if next(trainer.model.parameters()).is_cuda else lambda: None
+    synchronize()
     start = time.perf_counter()
     for batch in batches:
         step = next(steps)
         update([batch], step, trainer.lr(step))
+    synchronize()
     return sum(b.n_tokens for b in batches) / (time.perf_counter() - start)
 
 

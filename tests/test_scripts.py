@@ -119,6 +119,29 @@ def test_bench_train_times_two_update_settings_round_by_round(
         assert "longer side only:" in out and "trainer's (both sides):" in out and "of the target positions" in out
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize(
+    ("compare", "first", "second"), [("gpu-precision", "fp32", "bf16"), ("gpu-attention", "pytorch", "efficient")]
+)
+def test_bench_train_times_updates_on_the_gpu(
+    corpus: Path, trained_run: Path, tmp_path: Path, compare: str, first: str, second: str
+) -> None:
+    args = ["--data", str(corpus), "--langs", "src,tgt", "--spm", str(trained_run / "spm.model"), "--models", "tiny"]
+    args += ["--rounds", "2", "--steps", "1", "--max-tokens", "256", "--compare", compare, "--device", "cuda"]
+    out = run_script("bench_train.py", *args, cwd=tmp_path).stdout
+    assert "GPU: " in out and f"{second}/{first} ratio median" in out
+
+
+def test_bench_train_refuses_a_gpu_comparison_on_the_cpu(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_train.py"), "--compare", "gpu-attention"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 2 and "--compare gpu-attention needs --device cuda" in done.stderr
+
+
 def test_peer_adapter_runs_the_projects_update_and_search() -> None:
     """The bridge the peer benchmark suite calls: real updates, and decodes of exactly the forced length."""
     import importlib.util
