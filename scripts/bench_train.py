@@ -290,11 +290,10 @@ def _bench_matmul(rounds: int) -> None:
 
 def _update_step(trainer: Trainer, setting: Setting) -> UpdateStep:
     """The trainer's update (same model and optimizer) with one setting changed; `auto` is this device's choice."""
-    device = next(trainer.model.parameters()).device
-    precision = resolve_precision(setting.precision, device)
+    precision = resolve_precision(setting.precision, trainer.device)
     kernel = setting.kernel
     if kernel == TRAINERS:
-        kernel = training_kernel(device, precision)
+        kernel = training_kernel(trainer.device, precision)
     assert not isinstance(kernel, str)
     model = torch.compile(trainer.model, dynamic=True) if setting.compiled else trainer.model  # the same parameters
     return dataclasses.replace(
@@ -304,7 +303,7 @@ def _update_step(trainer: Trainer, setting: Setting) -> UpdateStep:
 
 def _rate(update: UpdateStep, trainer: Trainer, steps: Iterator[int], batches: list[Batch]) -> float:
     """Target tokens per second of full training updates, one batch per update."""
-    synchronize = torch.cuda.synchronize if next(trainer.model.parameters()).is_cuda else lambda: None
+    synchronize = torch.cuda.synchronize if trainer.device.type == "cuda" else lambda: None
     synchronize()
     start = time.perf_counter()
     for batch in batches:
