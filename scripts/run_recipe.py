@@ -7,7 +7,9 @@
    --no-download for a corpus already in data.dir).
 2. Train. A run directory with a checkpoint resumes; a run that already
    reached its budget just stops again, so re-running only re-scores.
-   Training stopped by a signal (or failing) ends the recipe there.
+   Training stopped by a signal (or failing) ends the recipe there; a
+   signal to the recipe alone reaches the training too, and the recipe
+   waits while it saves its step.
    With `--seeds 1,2`, one model per seed (`train.seed`), one after the
    other, each in its own run directory `RUN/seed1`, `RUN/seed2` (RUN is
    train.run_dir), sharing one prepared corpus and so one vocabulary
@@ -43,7 +45,12 @@
    (skipped, with a line saying why, when CTranslate2 is not installed).
 
 Writes `results.json`, `results.md` and the val/test translations into the
-run directory.
+run directory (with --distill, the teacher's results before the student
+trains, and all of them at the end). Each translation made with PyTorch
+keeps a record of what made it (`NAME.json`: the checkpoints' bytes, the
+decode settings, the sources, the seconds it took); a rerun reads it back
+instead of decoding again, so test is decoded once per system even across
+reruns, and its speed is that decode's.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -60,12 +68,19 @@ from pathlib import Path
 
 import torch
 
-from seq2seq import checkpoint, metrics
-from seq2seq.app.distill import CHUNK_LINES, teacher_identity, training_pairs, translate_in_chunks, write_student_data
+from seq2seq import checkpoint, interrupt, metrics
+from seq2seq.app.distill import (
+    CHUNK_LINES,
+    teacher_identity,
+    training_pairs,
+    translate_in_chunks,
+    translation_identity,
+    write_student_data,
+)
 from seq2seq.app.evaluation import EvalSet, decode, eval_set, score
 from seq2seq.app.model import Engine, ModelOptions, open_translator
 from seq2seq.config import ExperimentConfig, load_config
-from seq2seq.data import read_split
+from seq2seq.data import read_lines, read_split
 from seq2seq.errors import ConfigError, UserError
 from seq2seq.run_dir import RunDirectory
 from seq2seq.translate import TextTranslator
@@ -97,10 +112,37 @@ class Split:
 
 def seq2seq(*args: str) -> None:
     """Run a `seq2seq` subcommand; if it fails or was stopped, so does the recipe (its message is on stderr)."""
-    code = subprocess.run([sys.executable, "-m", "seq2seq", *args]).returncode
+    code = _wait(subprocess.Popen([sys.executable, "-m", "seq2seq", *args], process_group=0))
+    interrupt.check()  # stopped by a signal: say so, not "failed"
     if code:
         print(f"run_recipe: `seq2seq {args[0]}` exited with code {code}; nothing was scored", file=sys.stderr)
         sys.exit(code)
+
+
+def _wait(child: subprocess.Popen[bytes]) -> int:
+    """The subcommand's exit code, once it has stopped in its own time.
+
+    A signal to the recipe is passed on to it, and the recipe waits: a training saves its step before it
+    stops. (subprocess.run would kill it at once, losing the updates since its last checkpoint.) The
+    subcommand runs in its own process group, so a Ctrl-C reaches it once, through the recipe: reaching
+    both, it would arrive twice, and a late second copy means "quit without saving".
+    """
+    passed_on = False
+    try:
+        while True:
+            try:
+                return child.wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                pass
+            if not passed_on:
+                try:
+                    interrupt.check()
+                except interrupt.Interrupted as e:
+                    child.send_signal(e.signal)
+                    passed_on = True
+    except KeyboardInterrupt as e:  # a second signal, later: the user will not wait, nor will the subcommand
+        child.send_signal(e.signal if isinstance(e, interrupt.Interrupted) else signal.SIGINT)
+        raise
 
 
 def averages(run: RunDirectory, sizes: list[int]) -> list[Path]:
@@ -133,12 +175,41 @@ def translate(translator: TextTranslator, sources: list[str], save: Path) -> tup
     return hyps, seconds
 
 
+def translate_once(paths: list[Path], cfg: ExperimentConfig, sources: list[str], save: Path) -> tuple[list[str], float]:
+    """The checkpoints' translation of `sources` and the seconds it took, decoded at most once.
+
+    `save` keeps the translation and `save`.json what made it (the checkpoints' bytes, the decode settings,
+    the sources) with its seconds; a rerun with the same identity reads them back instead of decoding
+    again, so re-scoring a finished recipe, or going on to its student, costs seconds, not minutes.
+    """
+    identity = translation_identity(paths, cfg.decode, sources)
+    record = save.with_name(save.name + ".json")
+    saved = _saved_translation(save, record, identity)
+    if saved is not None:
+        note(f"run_recipe: {save} reused (same checkpoints, decode settings and sources)")
+        return saved
+    hyps, seconds = translate(open_system(paths, cfg), sources, save)
+    record.write_text(json.dumps({"identity": identity, "seconds": seconds}, indent=2), encoding="utf-8")
+    return hyps, seconds
+
+
+def _saved_translation(save: Path, record: Path, identity: dict) -> tuple[list[str], float] | None:
+    """The translation in `save` and its seconds, if `record` says that `identity` made it; else None."""
+    if not (save.is_file() and record.is_file()):
+        return None
+    made = json.loads(record.read_text(encoding="utf-8"))
+    hyps = read_lines(save)
+    if made.get("identity") != identity or len(hyps) != identity["lines"]:
+        return None
+    return hyps, float(made["seconds"])
+
+
 def pick(run: RunDirectory, cfg: ExperimentConfig, sizes: list[int], val: Split, name: str = "") -> Member:
     """The best on val of checkpoint_best and the averages of the last k epoch checkpoints."""
     scores = {}
     for candidate in [run.best, *averages(run, sizes)]:
         save = run.path / f"{cfg.data.valid}.{candidate.stem}.{cfg.data.tgt_lang}"
-        hyps, _ = translate(open_system([candidate], cfg), val.sources, save)
+        hyps, _ = translate_once([candidate], cfg, val.sources, save)
         scores[candidate.stem] = round(metrics.bleu(hyps, val.references).score, 2)
     return Member(name, run, scores, max(scores, key=scores.__getitem__))
 
@@ -199,9 +270,13 @@ def examples(src: list[str], refs: list[str], hyps: list[str], every: int = 200)
     return [{"source": src[i], "reference": refs[i], "ours": hyps[i]} for i in range(0, len(hyps), every)]
 
 
-def scored_test(translator: TextTranslator, test: EvalSet, save: Path) -> dict:
-    """The test set decoded once and scored, with the decoding speed."""
-    hyps, seconds = translate(translator, test.sources, save)
+def scored_test(paths: list[Path], cfg: ExperimentConfig, test: EvalSet, save: Path) -> dict:
+    """The test set decoded once (a rerun reads that translation back) and scored, with the decoding speed."""
+    return scored(*translate_once(paths, cfg, test.sources, save), test)
+
+
+def scored(hyps: list[str], seconds: float, test: EvalSet) -> dict:
+    """The test translation's scores and speed, with a fixed sample of it."""
     return {
         "test": test_scores(score(hyps, test, BOOTSTRAP).report),
         "test_sentences_per_second": round(len(hyps) / max(seconds, 1e-9), 1),
@@ -215,7 +290,7 @@ def one_model(cfg: ExperimentConfig, member: Member, test: EvalSet) -> dict:
     return {
         **training_summary(member),
         "checkpoints": [str(member.checkpoint)],
-        **scored_test(open_system([member.checkpoint], cfg), test, save),
+        **scored_test([member.checkpoint], cfg, test, save),
     }
 
 
@@ -224,8 +299,7 @@ def ensemble(cfg: ExperimentConfig, members: list[Member], val: Split, test: Eva
     and, once, on test."""
     summaries = [{"seed": int(m.name.removeprefix("seed")), **training_summary(m)} for m in members]
     paths, top, d = [m.checkpoint for m in members], Path(cfg.train.run_dir), cfg.data
-    translator = open_system(paths, cfg)
-    hyps, _ = translate(translator, val.sources, top / f"{d.valid}.ensemble.{d.tgt_lang}")
+    hyps, _ = translate_once(paths, cfg, val.sources, top / f"{d.valid}.ensemble.{d.tgt_lang}")
     return {
         "members": summaries,
         "params_millions": round(sum(s["params_millions"] for s in summaries), 1),
@@ -234,7 +308,7 @@ def ensemble(cfg: ExperimentConfig, members: list[Member], val: Split, test: Eva
         "val": {"ensemble": round(metrics.bleu(hyps, val.references).score, 2)},
         "picked": "ensemble",
         "checkpoints": [str(p) for p in paths],
-        **scored_test(translator, test, top / f"{d.test}.ensemble.{d.tgt_lang}"),
+        **scored_test(paths, cfg, test, top / f"{d.test}.ensemble.{d.tgt_lang}"),
     }
 
 
@@ -250,17 +324,14 @@ def distill(args: argparse.Namespace, cfg: ExperimentConfig, teacher: dict, val:
     student_cfg = load_config(config, overrides)
     member = pick(RunDirectory(student_cfg.train.run_dir), student_cfg, sizes_of(args, student_cfg), val, "student")
     d = student_cfg.data
+    save = member.run.path / f"{d.test}.{member.picked}.{d.tgt_lang}"
     return {
         "config": config,
         "overrides": overrides,
         "mix": args.distill_mix,
         **training_summary(member),
         "checkpoints": [str(member.checkpoint)],
-        **scored_test(
-            open_system([member.checkpoint], student_cfg),
-            test,
-            member.run.path / f"{d.test}.{member.picked}.{d.tgt_lang}",
-        ),
+        **scored_test([member.checkpoint], student_cfg, test, save),
         "ctranslate2_int8": int8_student(member, student_cfg, test),
     }
 
@@ -303,7 +374,7 @@ def int8_student(member: Member, cfg: ExperimentConfig, test: EvalSet) -> dict:
         return {"skipped": str(e)}
     translator = open_system([exported], cfg, "ctranslate2")
     save = member.run.path / f"{cfg.data.test}.ctranslate2_int8.{cfg.data.tgt_lang}"
-    return {"dir": str(exported), **scored_test(translator, test, save)}
+    return {"dir": str(exported), **scored(*translate(translator, test.sources, save), test)}  # timed every run
 
 
 HEADER = (
@@ -477,10 +548,14 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     try:
-        run_recipe(args)
+        with interrupt.Interrupts():  # a signal stops the recipe at a safe point, never mid-file
+            run_recipe(args)
     except UserError as e:
         print(f"run_recipe: {e}", file=sys.stderr)
         sys.exit(2 if isinstance(e, ConfigError) else 1)
+    except KeyboardInterrupt as e:
+        print("run_recipe: interrupted; run the same command to go on from where it stopped", file=sys.stderr)
+        sys.exit(e.exit_code if isinstance(e, interrupt.Interrupted) else 130)
 
 
 def run_recipe(args: argparse.Namespace) -> None:
@@ -506,13 +581,19 @@ def run_recipe(args: argparse.Namespace) -> None:
         "test_set": d.test,
         **system,
     }
-    if args.distill is not None:
-        results["student"] = distill(args, cfg, system, val, test)
-    results["this_invocation_minutes"] = round((time.monotonic() - start) / 60, 1)
     top = Path(cfg.train.run_dir)
+    if args.distill is not None:
+        write_results(top, results, start)  # the teacher's, at once: the student takes another hour
+        results["student"] = distill(args, cfg, system, val, test)
+    write_results(top, results, start)
+    print(markdown(results))
+
+
+def write_results(top: Path, results: dict, start: float) -> None:
+    """results.json and results.md as they stand, with the minutes this invocation has taken so far."""
+    results["this_invocation_minutes"] = round((time.monotonic() - start) / 60, 1)
     (top / "results.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
     (top / "results.md").write_text(markdown(results), encoding="utf-8")
-    print(markdown(results))
 
 
 if __name__ == "__main__":

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
 from conftest import ROOT, TINY, single_thread_env, tiny_overrides, write_corpus
 
-from seq2seq import metrics
+from seq2seq import checkpoint, metrics
 
 RECIPE = ROOT / "scripts" / "run_recipe.py"
 
@@ -57,6 +61,13 @@ def test_recipe_trains_averages_picks_on_val_and_rescores(corpus: Path, tmp_path
     rescored = json.loads((run_dir / "results.json").read_text(encoding="utf-8"))
     assert rescored["updates"] == results["updates"]
     assert rescored["test"] == results["test"]
+    # nothing changed, so nothing was decoded again: every translation was read back, test's speed with it
+    assert again.stderr.count("reused (same checkpoints, decode settings and sources)") == 4  # 3 val, 1 test
+    assert rescored["test_sentences_per_second"] == results["test_sentences_per_second"]
+
+    other = run_recipe(args[0], "decode.length_penalty=0.3", *args[1:])  # another decode setting: decoded again
+    assert other.returncode == 0, other.stderr[-2000:]
+    assert "reused" not in other.stderr
 
 
 def test_recipe_stops_when_training_fails(tmp_path: Path) -> None:
@@ -78,9 +89,16 @@ def test_recipe_ensembles_seeded_models_and_distils_them_into_a_student(tmp_path
     corpus, run_dir = write_corpus(tmp_path / "corpus", n_train=400), tmp_path / "run"
     overrides = tiny_overrides(corpus, run_dir, "train.max_epochs=2", "train.threads=1", "train.precision=fp32")
     args = [str(TINY), *overrides, "--no-download", "--average", "2", "--seeds", "1,2"]
+    bad_student = run_recipe(*args, "--distill", "--student", "model.no_such_key=1")
+    assert bad_student.returncode == 2 and "no_such_key" in bad_student.stderr
+    teacher = json.loads((run_dir / "results.json").read_text(encoding="utf-8"))  # written before the student
+    assert teacher["picked"] == "ensemble" and "test" in teacher and "student" not in teacher
+
     done = run_recipe(*args, "--distill", "--distill-chunk", "150")
     assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stderr.count("reused (same checkpoints") == 6  # 2 candidates a member; the ensemble on val, test
     results = json.loads((run_dir / "results.json").read_text(encoding="utf-8"))
+    assert results["test"] == teacher["test"]
 
     members = results["members"]
     assert [m["seed"] for m in members] == [1, 2]
@@ -115,3 +133,35 @@ def test_recipe_refuses_a_student_config_that_does_not_exist() -> None:
     done = run_recipe(str(TINY), "--distill", "train.max_epochs=3")
     assert done.returncode == 2
     assert "no such config file" in done.stderr and "--student" in done.stderr
+
+
+@pytest.mark.parametrize("to_group", [True, False], ids=["ctrl-c-to-both", "signal-to-the-recipe-alone"])
+def test_a_signal_stops_the_recipe_only_after_its_training_saved_its_step(
+    corpus: Path, tmp_path: Path, to_group: bool
+) -> None:
+    """subprocess.run killed the training at once on a Ctrl-C: the updates since its last checkpoint were lost."""
+    run_dir = tmp_path / "run"
+    overrides = tiny_overrides(corpus, run_dir, "train.max_epochs=1000", "train.threads=1")
+    recipe = subprocess.Popen(
+        [sys.executable, str(RECIPE), str(TINY), *overrides, "--no-download"],
+        cwd=ROOT,
+        env=single_thread_env(),
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as in a terminal, whatever ran pytest
+    )
+    log = run_dir / "train.log"
+    deadline = time.monotonic() + 120
+    while not (log.is_file() and "step 20:" in log.read_text(encoding="utf-8")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if to_group:
+        os.killpg(recipe.pid, signal.SIGINT)
+    else:
+        recipe.send_signal(signal.SIGINT)
+    _, stderr = recipe.communicate(timeout=120)
+    assert recipe.returncode == 130, stderr[-2000:]
+    assert "SIGINT: saving step" in stderr and "run_recipe: interrupted" in stderr
+    assert "Traceback" not in stderr and "nothing was scored" not in stderr
+    saved = checkpoint.read(run_dir / "checkpoint_last.pt")
+    assert saved.training is not None and saved.training.progress.step >= 20

@@ -37,14 +37,19 @@ ORIGINAL = "original"  # the split of the original training pairs, when they are
 def teacher_identity(
     paths: Sequence[Path], decode: DecodeConfig, sources: Sequence[str], chunk_lines: int
 ) -> dict[str, Any]:
-    """What the saved chunks depend on: the teacher's files (their bytes), the decode settings, the source
-    lines and the chunk size; chunks saved under another identity are translated again."""
+    """What the saved chunks depend on: the translation's identity and the chunk size; chunks saved under
+    another identity are translated again."""
+    return {**translation_identity(paths, decode, sources), "chunk_lines": chunk_lines}
+
+
+def translation_identity(paths: Sequence[Path], decode: DecodeConfig, sources: Sequence[str]) -> dict[str, Any]:
+    """What a saved translation depends on: the checkpoints' files (their bytes), the decode settings and
+    the source lines; a translation saved under another identity must be made again."""
     return {
-        "teacher": [{"path": str(p), "sha256": _file_hash(p)} for p in paths],
+        "checkpoints": [{"path": str(p), "sha256": _file_hash(p)} for p in paths],
         "decode": dataclasses.asdict(decode),
         "sources": hashlib.sha256("\n".join(sources).encode("utf-8")).hexdigest(),
         "lines": len(sources),
-        "chunk_lines": chunk_lines,
     }
 
 
