@@ -59,7 +59,6 @@ import argparse
 import dataclasses
 import importlib.util
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -140,8 +139,8 @@ def _wait(child: subprocess.Popen[bytes]) -> int:
                 except interrupt.Interrupted as e:
                     child.send_signal(e.signal)
                     passed_on = True
-    except KeyboardInterrupt as e:  # a second signal, later: the user will not wait, nor will the subcommand
-        child.send_signal(e.signal if isinstance(e, interrupt.Interrupted) else signal.SIGINT)
+    except interrupt.Interrupted as e:  # a second signal, later: the user will not wait, nor will the subcommand
+        child.send_signal(e.signal)
         raise
 
 
@@ -198,10 +197,10 @@ def _saved_translation(save: Path, record: Path, identity: dict) -> tuple[list[s
     if not (save.is_file() and record.is_file()):
         return None
     made = json.loads(record.read_text(encoding="utf-8"))
-    hyps = read_lines(save)
-    if made.get("identity") != identity or len(hyps) != identity["lines"]:
+    if made.get("identity") != identity:
         return None
-    return hyps, float(made["seconds"])
+    hyps = read_lines(save)
+    return (hyps, float(made["seconds"])) if len(hyps) == identity["lines"] else None
 
 
 def pick(run: RunDirectory, cfg: ExperimentConfig, sizes: list[int], val: Split, name: str = "") -> Member:

@@ -135,7 +135,7 @@ def test_recipe_refuses_a_student_config_that_does_not_exist() -> None:
     assert "no such config file" in done.stderr and "--student" in done.stderr
 
 
-@pytest.mark.parametrize("to_group", [True, False], ids=["ctrl-c-to-both", "signal-to-the-recipe-alone"])
+@pytest.mark.parametrize("to_group", [True, False], ids=["ctrl-c-to-the-terminal-group", "signal-to-the-recipe-pid"])
 def test_a_signal_stops_the_recipe_only_after_its_training_saved_its_step(
     corpus: Path, tmp_path: Path, to_group: bool
 ) -> None:
