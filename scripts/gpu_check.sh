@@ -10,7 +10,8 @@
 #
 # PYTHON and SEQ2SEQ name an interpreter that already has the package (for a machine with its own
 # CUDA build of torch and no network); without them the project's .venv is used, made if missing.
-# PYTEST_ARGS adds arguments to the whole-suite run (`-n 8` where pytest-xdist is installed).
+# PYTEST_ARGS adds arguments to the whole-suite run (default: `-n 8` where pytest-xdist is installed). That run
+# logs every test's outcome as it ends (-v), so a run stopped by a time limit still names what failed so far.
 # The peer suite (../shared/bench-peers) is not run here: its adapters train and decode on the CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -84,10 +85,11 @@ note "serve: ${answer:-no answer: $(tail -2 "$OUT/serve.log" | tr '\n' ' ')}"
 kill $server 2>/dev/null || true
 
 note "== the whole suite"
+if [[ -z ${PYTEST_ARGS+set} ]] && $PY -c "import xdist" 2> /dev/null; then PYTEST_ARGS="-n 8"; fi
 # shellcheck disable=SC2086  # PYTEST_ARGS is words
-if $PY -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-} > "$OUT/tests.log" 2>&1; then
+if $PY -m pytest -v -p no:cacheprovider ${PYTEST_ARGS:-} > "$OUT/tests.log" 2>&1; then
   note "tests: $(grep -E '(passed|failed)' "$OUT/tests.log" | tail -1)"
 else
-  note "tests FAILED: $(grep -E '^(FAILED|ERROR)' "$OUT/tests.log" | head -8 | tr '\n' ' ') $(grep -E '(passed|failed)' "$OUT/tests.log" | tail -1)"
+  note "tests FAILED: $(grep -E ' (FAILED|ERROR) ' "$OUT/tests.log" | head -30 | tr '\n' ' ') $(grep -E '(passed|failed)' "$OUT/tests.log" | tail -1)"
 fi
 note "gpu_check: done; summary in $SUMMARY"

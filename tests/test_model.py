@@ -204,10 +204,13 @@ def test_projecting_selected_positions_equals_slicing_all_logits(name: str) -> N
 # Attention kernels: CPU training in bf16 asks for PyTorch's math kernel instead of its flash one.
 
 
-def test_math_kernel_for_bf16_cpu_training_and_pytorchs_choice_elsewhere() -> None:
+def test_math_kernel_for_bf16_cpu_training_pytorchs_choice_in_fp32_and_no_cudnn_on_cuda() -> None:
     assert training_kernel(torch.device("cpu"), "bf16") == SDPBackend.MATH
     assert training_kernel(torch.device("cpu"), "fp32") is None
-    assert training_kernel(torch.device("cuda"), "bf16") is None
+    for precision in ("fp32", "bf16", "fp16"):  # cuDNN's builds a graph per batch shape: never chosen
+        kernels = training_kernel(torch.device("cuda"), precision)
+        assert isinstance(kernels, list) and SDPBackend.CUDNN_ATTENTION not in kernels
+        assert SDPBackend.FLASH_ATTENTION in kernels and SDPBackend.MATH in kernels
 
 
 @pytest.mark.parametrize("name", ["pre", "relative", "rope"])

@@ -1,6 +1,6 @@
 """The encoder-decoders: the Transformer (read transformer.py top to bottom) and the RNNs (rnn.py)."""
 
-from seq2seq.model.attention import MultiHeadAttention, kernel_scope, training_kernel
+from seq2seq.model.attention import Kernels, MultiHeadAttention, kernel_scope, training_kernel
 from seq2seq.model.build import Seq2SeqModel, build_model
 from seq2seq.model.cache import DecoderCache, LayerCache
 from seq2seq.model.layers import DecoderLayer, EncoderLayer, FeedForward
@@ -9,6 +9,7 @@ from seq2seq.model.rnn import RNNCache, Seq2SeqRNN
 from seq2seq.model.transformer import Seq2SeqTransformer
 
 __all__ = [
+    "Kernels",
     "AttentionRecord",
     "DecoderCache",
     "DecoderLayer",

@@ -18,14 +18,13 @@ import logging
 import math
 
 import torch
-from torch.nn.attention import SDPBackend
 from torch.nn.parallel import DistributedDataParallel
 
 from seq2seq.config import TrainConfig
 from seq2seq.data import Batch
 from seq2seq.device import autocast
 from seq2seq.errors import TrainingError
-from seq2seq.model import kernel_scope, training_kernel
+from seq2seq.model import Kernels, kernel_scope, training_kernel
 from seq2seq.training import distributed as dist
 from seq2seq.training.loss import batch_loss
 
@@ -44,7 +43,7 @@ class UpdateStep:
     scaler: torch.amp.GradScaler
     device: torch.device
     precision: str  # fp32, bf16 or fp16 (resolved, never auto)
-    attention_kernel: SDPBackend | None  # None: PyTorch's choice
+    attention_kernel: Kernels  # None: PyTorch's choice
     label_smoothing: float
     rdrop_alpha: float = 0.0
     clip_norm: float = 0.0  # 0: no clipping

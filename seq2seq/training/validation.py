@@ -17,7 +17,7 @@ from seq2seq import metrics
 from seq2seq.config import DecodeConfig
 from seq2seq.data import EncodedCorpus, collate, make_batches
 from seq2seq.device import autocast
-from seq2seq.model import Seq2SeqModel
+from seq2seq.model import Seq2SeqModel, kernel_scope, training_kernel
 from seq2seq.tokenizer import Tokenizer
 from seq2seq.training.loss import batch_loss
 from seq2seq.translate import Translator
@@ -39,7 +39,7 @@ def loss_scores(
     try:
         for indices in make_batches(data.lengths(), max_tokens):
             batch = collate(data, indices).to(device)
-            with autocast(precision, device):
+            with autocast(precision, device), kernel_scope(training_kernel(device, precision)):
                 loss, nll = batch_loss(model, batch, epsilon)
             loss_sum, nll_sum, tokens = loss_sum + loss.item(), nll_sum + nll.item(), tokens + batch.n_tokens
     finally:
