@@ -46,7 +46,10 @@
 
 Writes `results.json`, `results.md` and the val/test translations into the
 run directory (with --distill, the teacher's results before the student
-trains, and all of them at the end). Each translation made with PyTorch
+trains, and all of them at the end). results.json holds the newest student;
+each student's results also stay in its own run directory
+(`student_results.json`), so a second student trained with
+`--student train.run_dir=...` leaves the first one's on record. Each translation made with PyTorch
 keeps a record of what made it (`NAME.json`: the checkpoints' bytes, the
 decode settings, the sources, the seconds it took); a rerun reads it back
 instead of decoding again, so test is decoded once per system even across
@@ -324,7 +327,7 @@ def distill(args: argparse.Namespace, cfg: ExperimentConfig, teacher: dict, val:
     member = pick(RunDirectory(student_cfg.train.run_dir), student_cfg, sizes_of(args, student_cfg), val, "student")
     d = student_cfg.data
     save = member.run.path / f"{d.test}.{member.picked}.{d.tgt_lang}"
-    return {
+    student = {
         "config": config,
         "overrides": overrides,
         "mix": args.distill_mix,
@@ -333,6 +336,9 @@ def distill(args: argparse.Namespace, cfg: ExperimentConfig, teacher: dict, val:
         **scored_test([member.checkpoint], student_cfg, test, save),
         "ctranslate2_int8": int8_student(member, student_cfg, test),
     }
+    # RUN/results.json keeps the newest student; each student's own directory keeps its results.
+    (member.run.path / "student_results.json").write_text(json.dumps(student, indent=2), encoding="utf-8")
+    return student
 
 
 def check_same_pair(teacher: ExperimentConfig, student: ExperimentConfig) -> None:

@@ -120,6 +120,7 @@ def test_recipe_ensembles_seeded_models_and_distils_them_into_a_student(tmp_path
     assert (
         student["run_dir"] == str(run_dir / "student") and (run_dir / "student" / f"{student['picked']}.pt").is_file()
     )
+    assert json.loads((run_dir / "student" / "student_results.json").read_text(encoding="utf-8")) == student
     assert student["test"]["sacrebleu"] >= 0 and student["test_sentences_per_second"] > 0
     assert "| student on distilled (" in table
     int8 = student["ctranslate2_int8"]
