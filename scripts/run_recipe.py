@@ -49,11 +49,11 @@ run directory (with --distill, the teacher's results before the student
 trains, and all of them at the end). results.json holds the newest student;
 each student's results also stay in its own run directory
 (`student_results.json`), so a second student trained with
-`--student train.run_dir=...` leaves the first one's on record. Each translation made with PyTorch
-keeps a record of what made it (`NAME.json`: the checkpoints' bytes, the
-decode settings, the sources, the seconds it took); a rerun reads it back
-instead of decoding again, so test is decoded once per system even across
-reruns, and its speed is that decode's.
+`--student train.run_dir=...` leaves the first one's on record. Each
+translation made with PyTorch keeps a record of what made it (`NAME.json`:
+the checkpoints' bytes, the decode settings, the sources, the seconds it
+took); a rerun reads it back instead of decoding again, so test is decoded
+once per system even across reruns, and its speed is that decode's.
 """
 
 from __future__ import annotations

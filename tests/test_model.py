@@ -201,7 +201,8 @@ def test_projecting_selected_positions_equals_slicing_all_logits(name: str) -> N
     torch.testing.assert_close(model(src, mask, tgt, keep), model(src, mask, tgt)[keep], **CLOSE)
 
 
-# Attention kernels: CPU training in bf16 asks for PyTorch's math kernel instead of its flash one.
+# Attention kernels: CPU training in bf16 asks for PyTorch's math kernel instead of its flash one; CUDA never
+# uses cuDNN's, which builds a graph per batch shape.
 
 
 def test_math_kernel_for_bf16_cpu_training_pytorchs_choice_in_fp32_and_no_cudnn_on_cuda() -> None:

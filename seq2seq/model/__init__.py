@@ -9,12 +9,12 @@ from seq2seq.model.rnn import RNNCache, Seq2SeqRNN
 from seq2seq.model.transformer import Seq2SeqTransformer
 
 __all__ = [
-    "Kernels",
     "AttentionRecord",
     "DecoderCache",
     "DecoderLayer",
     "EncoderLayer",
     "FeedForward",
+    "Kernels",
     "LayerCache",
     "MultiHeadAttention",
     "RNNCache",
