@@ -13,16 +13,27 @@ and writing to a closed stdout is a one-line error, not an AttributeError.
 
 from __future__ import annotations
 
+import contextlib
 import io
+import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from seq2seq import interrupt
 from seq2seq.errors import UserError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    code = _run(argv)
+    distributed = sys.modules.get("seq2seq.training.distributed")
+    if distributed is not None and distributed.joined():
+        _exit_now(code)
+    return code
+
+
+def _run(argv: Sequence[str] | None) -> int:
     try:
         with interrupt.Interrupts() as interrupts:
             _guard_standard_streams()
@@ -34,6 +45,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             return code
     except KeyboardInterrupt as e:
         return interrupt.report(e)
+
+
+def _exit_now(code: int) -> NoReturn:
+    """End a data-parallel worker without the interpreter's finalization.
+
+    DDP keeps its process group referenced past `destroy_process_group`, so gloo's threads still run while
+    the interpreter finalizes; a peer closing its connections then can abort this process ("terminate called
+    without an active exception", SIGABRT) after a run that finished and saved. By now every file is
+    written and closed, so flush what is buffered and leave.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a reader gone, a stream closed
+            stream.flush()
+    os._exit(code)
 
 
 class ClosedStdout(io.TextIOBase):

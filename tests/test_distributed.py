@@ -121,3 +121,36 @@ def test_two_torchrun_agents_with_c10d_rendezvous_match_one_process(tmp_path: Pa
     for name, tensor in nodes.model.items():
         torch.testing.assert_close(tensor, reference[name], rtol=1e-5, atol=1e-6, msg=name)
     assert "2 process(es)" in (nodes_run / "train.log").read_text()
+
+
+class Exited(Exception):
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+
+def fake_exit(code: int) -> None:
+    raise Exited(code)
+
+
+@pytest.mark.parametrize("joined", [True, False])
+def test_a_worker_that_joined_a_process_group_ends_without_finalizing(
+    joined: bool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Past its command, a data-parallel worker leaves by os._exit with the command's code, its output flushed:
+    DDP keeps the gloo group alive into the interpreter's finalization, where a peer hanging up aborts it."""
+    from seq2seq import entry
+    from seq2seq.training import distributed
+
+    monkeypatch.setattr(distributed, "_joined", joined)
+    monkeypatch.setattr(entry.os, "_exit", fake_exit)
+    argv = ["config", "--config", str(TINY)]
+    if joined:
+        with pytest.raises(Exited) as ended:
+            entry.main(argv)
+        assert ended.value.code == 0
+        with pytest.raises(Exited) as ended:
+            entry.main([*argv, "no_such.key=1"])
+        assert ended.value.code == 2  # an error's code too
+    else:
+        assert entry.main(argv) == 0
+    assert "model:" in capsys.readouterr().out

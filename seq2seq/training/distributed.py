@@ -16,6 +16,13 @@ from seq2seq.errors import TrainingError
 _LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL", "gloo")
 
 
+_joined = False  # whether this process joined a process group (the command then ends with os._exit, see entry)
+
+
+def joined() -> bool:
+    return _joined
+
+
 def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
@@ -36,6 +43,8 @@ def setup(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend)
+    global _joined
+    _joined = True
 
 
 @contextlib.contextmanager
