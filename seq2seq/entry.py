@@ -50,10 +50,11 @@ def _run(argv: Sequence[str] | None) -> int:
 def _exit_now(code: int) -> NoReturn:
     """End a data-parallel worker without the interpreter's finalization.
 
-    DDP keeps its process group referenced past `destroy_process_group`, so gloo's threads still run while
-    the interpreter finalizes; a peer closing its connections then can abort this process ("terminate called
-    without an active exception", SIGABRT) after a run that finished and saved. By now every file is
-    written and closed, so flush what is buffered and leave.
+    A gloo worker thread can still be releasing the last collective (its tensors, owned by Python) when the
+    main thread reaches Python's shutdown. It then needs the GIL, Python ends the thread, and unwinding it
+    through a C++ destructor aborts the process ("terminate called without an active exception", SIGABRT)
+    after a run that finished and saved. DDP keeps the group alive past `destroy_process_group`, so its
+    threads outlive the command. By now every file is written and closed: flush what is buffered and leave.
     """
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

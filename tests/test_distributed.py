@@ -137,7 +137,7 @@ def test_a_worker_that_joined_a_process_group_ends_without_finalizing(
     joined: bool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Past its command, a data-parallel worker leaves by os._exit with the command's code, its output flushed:
-    DDP keeps the gloo group alive into the interpreter's finalization, where a peer hanging up aborts it."""
+    a gloo thread still releasing the last collective when Python shuts down aborts the process."""
     from seq2seq import entry
     from seq2seq.training import distributed
 
