@@ -36,10 +36,11 @@ def loss_scores(
     was_training = model.training
     model.eval()
     loss_sum = nll_sum = tokens = 0.0
+    kernel = training_kernel(device, precision)  # training's: on CUDA, never cuDNN's graph per batch shape
     try:
         for indices in make_batches(data.lengths(), max_tokens):
             batch = collate(data, indices).to(device)
-            with autocast(precision, device), kernel_scope(training_kernel(device, precision)):
+            with autocast(precision, device), kernel_scope(kernel):
                 loss, nll = batch_loss(model, batch, epsilon)
             loss_sum, nll_sum, tokens = loss_sum + loss.item(), nll_sum + nll.item(), tokens + batch.n_tokens
     finally:
