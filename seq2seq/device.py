@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any
 
 import torch
@@ -57,11 +58,26 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     return "bf16" if cpu_has_native_bf16() else "fp32"
 
 
+# oneDNN's instruction sets below AVX512_CORE_BF16 (`ONEDNN_MAX_CPU_ISA`): with one of these, bf16 is emulated.
+_ONEDNN_WITHOUT_BF16 = frozenset(
+    {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
+)
+
+
 def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX tiles, as torch reports them (False where torch cannot tell)."""
+    """AVX512-BF16 or AMX tiles, as torch reports them (False where torch cannot tell), and allowed to be used.
+
+    A process limited to fewer instructions than the CPU has (`ATEN_CPU_CAPABILITY=avx2`,
+    `ONEDNN_MAX_CPU_ISA=AVX2`, as `scripts/cpu_kinds.sh` sets them to run as another CPU kind would) runs
+    bf16 without the native instructions, so it counts as a CPU without them.
+    """
     cpu = torch.cpu
     checks = (getattr(cpu, "_is_avx512_bf16_supported", None), getattr(cpu, "_is_amx_tile_supported", None))
-    return any(check() for check in checks if check is not None)
+    if not any(check() for check in checks if check is not None):
+        return False
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return False
+    return os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper() not in _ONEDNN_WITHOUT_BF16
 
 
 def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager[Any]:

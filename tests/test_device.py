@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
+import pytest
 import torch
 import torch.nn.functional as F
 from conftest import model_config
@@ -79,3 +84,14 @@ def test_fp32_autocast_is_a_no_op() -> None:
     with seen, autocast("fp32", CPU):
         y = torch.nn.Linear(8, 8)(torch.randn(3, 8))
     assert y.dtype == torch.float32 and seen.rows == {3}
+
+
+@pytest.mark.parametrize(
+    "limit", [{"ATEN_CPU_CAPABILITY": "avx2"}, {"ATEN_CPU_CAPABILITY": "default"}, {"ONEDNN_MAX_CPU_ISA": "AVX2"}]
+)
+def test_a_process_limited_below_native_bf16_trains_in_fp32_on_auto(limit: dict[str, str]) -> None:
+    """Run as an AVX2-only CPU would (scripts/cpu_kinds.sh), `precision: auto` is that CPU's fp32, not emulated bf16."""
+    code = "import torch; from seq2seq.device import resolve_precision as r; print(r('auto', torch.device('cpu')))"
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, **limit}, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "fp32"
