@@ -13,6 +13,7 @@ import torch
 
 from seq2seq.cli import main
 from seq2seq.config import ModelConfig, TransformerConfig, migrate_model
+from seq2seq.training.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, for the CUDA runs below
@@ -22,6 +23,41 @@ DEVICES = [
 ]
 TINY = ROOT / "configs" / "tiny.yaml"
 WORDS = "red blue green cat dog sun moon tree car house bird fish".split()
+
+
+# Which tests train a model. Their outcomes move with the CPU's kernels, so `scripts/cpu_kinds.sh` runs them once
+# per emulated CPU kind: `@pytest.mark.trains` says a test trains, and the hooks below keep that list true. A test
+# that runs `Trainer.fit` in this process (itself or through a fixture, the shared `trained_run` included) without
+# the mark ends in an error naming it; a test whose training runs in a subprocess is marked by hand.
+_fits: list[str] = []
+_fit = Trainer.fit
+
+
+def _counted_fit(self: Trainer) -> Any:
+    _fits.append(str(self.cfg.train.run_dir))
+    return _fit(self)
+
+
+Trainer.fit = _counted_fit  # type: ignore[method-assign]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "trained_run" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.trains)  # the shared trained model: every user depends on its training
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _fits.clear()  # before the test's fixtures are set up: a session fixture that trains counts for its first user
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    if _fits and item.get_closest_marker("trains") is None:
+        trained = ", ".join(sorted(set(_fits)))
+        _fits.clear()
+        pytest.fail(f"{item.nodeid} trains a model ({trained}) but is not marked @pytest.mark.trains", pytrace=False)
 
 
 def reversal_pairs(n: int, seed: int) -> tuple[list[str], list[str]]:
