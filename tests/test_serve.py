@@ -30,7 +30,7 @@ from conftest import single_thread_env
 
 from seq2seq.cli import main
 from seq2seq.config import DecodeConfig, replace_checked
-from seq2seq.translate import Translation
+from seq2seq.translate import Translation, Translator
 
 pytest.importorskip("starlette", reason="seq2seq serve needs the serve extra: pip install -e '.[serve]'")
 pytest.importorskip("uvicorn", reason="seq2seq serve needs the serve extra: pip install -e '.[serve]'")
@@ -129,15 +129,19 @@ def test_answers_equal_translate(server: Server, checkpoint: Path, corpus: Path,
         assert answers == [(200, {"translations": [e]}) for e in expected]
 
 
-def test_scores_and_nbest(server: Server) -> None:
+def test_scores_and_nbest(server: Server, checkpoint: Path) -> None:
     status, body = server.post({"text": ["red cat dog", ""], "options": {"nbest": 2, "scores": True}})
     assert status == 200
     best, empty = body["translations"]
-    assert best["text"] == "dog cat red" == best["nbest"][0]["text"]
+    [expected] = Translator.from_checkpoint(checkpoint, nbest=2).translate_full(["red cat dog"])
+    assert [h["text"] for h in best["nbest"]] == expected.texts and best["text"] == expected.text
+    assert [h["score"] for h in best["nbest"]] == pytest.approx([h.score for h in expected.hypotheses], abs=1e-4)
     assert best["score"] == best["nbest"][0]["score"] >= best["nbest"][1]["score"]
     assert empty == {"text": "", "score": None, "nbest": []}
     status, body = server.post({"text": ["red cat"], "options": {"scores": True}})
-    assert status == 200 and body["translations"][0]["text"] == "cat red" and "nbest" not in body["translations"][0]
+    [alone] = body["translations"]
+    assert status == 200 and alone["text"] == Translator.from_checkpoint(checkpoint).translate(["red cat"])[0]
+    assert "nbest" not in alone and isinstance(alone["score"], float)
 
 
 def test_prefixes_start_the_translations_as_with_translate(server: Server, checkpoint: Path, tmp_path: Path) -> None:
