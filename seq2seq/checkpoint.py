@@ -386,14 +386,24 @@ def _load(path: Path) -> Any:
 
 def peek_run_id(path: str | Path) -> str | None:
     """The run id stored in a checkpoint, reading tensors lazily (memory-mapped); None if unreadable."""
+    raw = _peek(path)
+    run_id = raw.get("run_id", "") if raw is not None else None
+    return run_id if isinstance(run_id, str) else None
+
+
+def peek_step(path: str | Path) -> int | None:
+    """The step stored in a checkpoint, as `peek_run_id` reads it; None if unreadable or not recorded."""
+    raw = _peek(path)
+    step = raw.get("step") if raw is not None else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def _peek(path: str | Path) -> dict[str, Any] | None:
     try:
         raw = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:  # any unreadable file simply belongs to no run
         return None
-    if not isinstance(raw, dict) or raw.get("format") not in (FORMAT, _FORMAT_V1):
-        return None
-    run_id = raw.get("run_id", "")
-    return run_id if isinstance(run_id, str) else None
+    return raw if isinstance(raw, dict) and raw.get("format") in (FORMAT, _FORMAT_V1) else None
 
 
 def _first_line(e: BaseException) -> str:

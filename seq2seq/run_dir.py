@@ -10,14 +10,18 @@
     RUN/checkpoint_step{N}.pt   the last train.keep_last validation checkpoints
     RUN/checkpoint_avg.pt       their average (train.average_last)
     RUN/.lock                   held by the training process; holds its pid
-    RUN/run_id                  the id of the run, written when it starts
+    RUN/run_id                  the id of the run, written when it starts; a second line, `saved`,
+                                once the run has written checkpoint_last
 
 Every checkpoint carries the id of the run that wrote it. Rotation and
 averaging only ever touch the current run's step checkpoints, and a fresh run
-refuses a directory that already holds another run's checkpoints. The run_id
-file lets a rerun recognise its own checkpoints when the first save was
-interrupted before checkpoint_last (a kill, a full disk): it starts over
-instead of refusing them.
+refuses a directory that already holds checkpoints without a checkpoint_last
+to resume from. The one exception is what an interrupted first save (a kill,
+a full disk) leaves: checkpoint_best and at most one step checkpoint, all of
+one step, carrying the id of a run_id file that does not say `saved`. A rerun
+starts that run over, which writes those files again; checkpoints of a run
+that did save checkpoint_last (a checkpoint_last since lost or deleted) are
+refused, never overwritten.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from seq2seq.errors import RunDirError
 log = logging.getLogger("seq2seq.train")
 
 RUN_ID = "run_id"
+SAVED = "saved"  # the run_id file's second line once the run has written checkpoint_last
 
 
 def new_run_id() -> str:
@@ -52,6 +57,7 @@ class RunDirectory:
         self.path = Path(path)
         self._lock_file: IO[str] | None = None
         self._log_handler: logging.Handler | None = None
+        self._saved_recorded = False  # whether this process has marked the run_id file `saved`
 
     # Layout.
 
@@ -138,7 +144,7 @@ class RunDirectory:
         if self.last.exists():
             return ckpt.read(self.last)
         found = sorted(p.name for p in self.path.glob("checkpoint*.pt"))
-        if found and self._left_by_this_run(found):
+        if found and self._left_by_interrupted_first_save(found):
             log.info("%s holds %s but no %s: this run's first save was interrupted; starting the run over",
                      self.path, ", ".join(found), ckpt.LAST)  # fmt: skip
             return None
@@ -150,32 +156,50 @@ class RunDirectory:
             )
         return None
 
-    def _left_by_this_run(self, names: list[str]) -> bool:
-        """Whether every file in `names` carries the id recorded in the run_id file."""
-        recorded = self.recorded_run_id()
-        return recorded is not None and all(ckpt.peek_run_id(self.path / name) == recorded for name in names)
+    def _left_by_interrupted_first_save(self, names: list[str]) -> bool:
+        """Whether the checkpoint files `names` are all that the recorded run's first save wrote before it was
+        interrupted: the run_id file does not say `saved`, and the files are checkpoint_best and at most one
+        step checkpoint, of one step, each carrying the recorded id."""
+        recorded, saved = self._read_run_id_file()
+        steps = [step_number(self.path / name) for name in names if name != ckpt.BEST]
+        if recorded is None or saved or len(steps) > 1 or None in steps:
+            return False
+        paths = [self.path / name for name in names]
+        if any(ckpt.peek_run_id(path) != recorded for path in paths):
+            return False
+        return len({ckpt.peek_step(path) for path in paths} | set(steps)) == 1
 
     def recorded_run_id(self) -> str | None:
         """The id in the run_id file (None without a valid one)."""
+        return self._read_run_id_file()[0]
+
+    def _read_run_id_file(self) -> tuple[str | None, bool]:
+        """(the recorded id or None, whether the file says the run has written checkpoint_last)."""
         try:
-            text = self.run_id_file.read_text(encoding="utf-8").strip()
+            lines = self.run_id_file.read_text(encoding="utf-8").split()
         except (OSError, UnicodeDecodeError):
-            return None
-        return text if len(text) == len(new_run_id()) and all(c in "0123456789abcdef" for c in text) else None
+            return None, False
+        text = lines[0] if lines else ""
+        valid = len(text) == len(new_run_id()) and all(c in "0123456789abcdef" for c in text)
+        return (text if valid else None), lines[1:] == [SAVED]
+
+    def _write_run_id_file(self, run_id: str, saved: bool) -> None:
+        tmp = self.path / f".{RUN_ID}.{os.getpid()}.tmp"
+        tmp.write_text(run_id + "\n" + (SAVED + "\n" if saved else ""), encoding="utf-8")
+        tmp.rename(self.run_id_file)  # atomic: a reader sees the old file or the new one
 
     def fresh_run_id(self, record: bool = True) -> str:
         """The id of a run starting here without checkpoint_last: the recorded one (an earlier attempt of this
         run), else a new one. `record` (the main process) writes it to the run_id file first."""
         run_id = self.recorded_run_id() or new_run_id()
         if record:
-            tmp = self.path / f".{RUN_ID}.{os.getpid()}.tmp"
-            tmp.write_text(run_id + "\n", encoding="utf-8")
-            tmp.rename(self.run_id_file)  # atomic: a reader sees the old file or the new one
+            self._write_run_id_file(run_id, saved=False)
         return run_id
 
     def save(self, checkpoint: ckpt.Checkpoint, best: bool = False, keep_last: int = 0) -> None:
         """checkpoint_best (if `best`), a step checkpoint (if `keep_last`, pruning this run's older ones),
-        then checkpoint_last, written last as the commit point of a resume."""
+        then checkpoint_last, written last as the commit point of a resume; then, once per process, the run_id
+        file says `saved`: from then on, these checkpoints without checkpoint_last are refused."""
         assert checkpoint.training is not None, "checkpoint_last carries the training state"
         weights = dataclasses.replace(checkpoint, training=None)
         if best:
@@ -184,6 +208,9 @@ class RunDirectory:
             ckpt.save(self.step(checkpoint.training.progress.step), weights)
             self.prune(keep_last, checkpoint.run_id)
         ckpt.save(self.last, checkpoint)
+        if not self._saved_recorded:
+            self._write_run_id_file(checkpoint.run_id, saved=True)
+            self._saved_recorded = True
 
     def step_checkpoints(self, run_id: str | None = None) -> list[Path]:
         """`checkpoint_step{N}.pt` files, oldest first; with `run_id`, only that run's."""

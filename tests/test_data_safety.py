@@ -6,6 +6,7 @@ stderr without a traceback) and that every file that existed before is still the
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -21,6 +22,7 @@ import yaml
 from conftest import TINY, tiny_overrides, write_corpus
 from test_bad_input import assert_clean_failure, run_in_process
 
+from seq2seq import checkpoint as ckpt
 from seq2seq.cli import main
 from seq2seq.config import RNNConfig, to_dict
 from seq2seq.prepare import MANIFEST
@@ -223,12 +225,23 @@ def test_damaged_prepared_data_is_one_line(
 
 
 def test_a_rerun_after_an_interrupted_first_save_starts_the_run_over(
-    small_corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    small_corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     run = tmp_path / "run"
     train = ["train", *prepare_argv(small_corpus, run)[1:], "train.max_steps=2", "train.valid_bleu=false"]
-    assert run_in_process(train, capsys).code == 0
-    (run / "checkpoint_last.pt").unlink()  # what a kill between checkpoint_best and checkpoint_last leaves
+    real = os.replace
+
+    def disk_full_at_checkpoint_last(src: str, dst: str) -> None:
+        if str(dst).endswith("checkpoint_last.pt"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(src, dst)
+
+    monkeypatch.setattr(ckpt.os, "replace", disk_full_at_checkpoint_last)
+    full = run_in_process(train, capsys)  # after the training's log lines, the error
+    assert full.code == 1 and "Traceback" not in full.err
+    assert "checkpoint_last.pt: no space left on the device" in full.err.strip().splitlines()[-1]
+    monkeypatch.undo()
+    assert (run / "checkpoint_best.pt").is_file() and not (run / "checkpoint_last.pt").exists()
     outcome = run_in_process(train, capsys)
     assert outcome.code == 0 and "first save was interrupted; starting the run over" in outcome.err
     assert (run / "checkpoint_last.pt").is_file()

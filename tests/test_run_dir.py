@@ -82,6 +82,27 @@ def test_a_fresh_run_refuses_another_runs_checkpoints(
     assert sorted(p.name for p in second.iterdir() if p.name != ".lock") == before
 
 
+@pytest.mark.trains
+@pytest.mark.parametrize("keep_last", [0, 5], ids=["checkpoint_best only", "with step checkpoints"])
+def test_a_fresh_run_refuses_its_own_checkpoints_once_checkpoint_last_is_gone(
+    small: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], keep_last: int
+) -> None:
+    """A run that wrote checkpoint_last, which was then deleted: its checkpoint_best and step checkpoints are
+    work a rerun would overwrite, not the leftovers of an interrupted first save."""
+    run = tmp_path / "run"
+    settings = ("train.max_steps=4", "train.valid_every=2", f"train.keep_last={keep_last}")
+    assert cli_train(small, run, *settings) == 0
+    (run / ckpt.LAST).unlink()
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file() and p.name != ".lock"}
+    assert {"config.yaml", "metrics.jsonl", "train.log", "run_id", ckpt.BEST} <= set(before)
+    capsys.readouterr()
+    assert cli_train(small, run, *settings) == 1
+    kept = ", checkpoint_step2.pt, checkpoint_step4.pt" if keep_last else ""
+    line = one_line(capsys)
+    assert f"holds checkpoints of an earlier run (checkpoint_best.pt{kept}) but no checkpoint_last.pt" in line
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file() and p.name != ".lock"} == before
+
+
 def test_a_resumed_run_averages_and_prunes_only_its_own_checkpoints(small: Path, tmp_path: Path) -> None:
     run = RunDirectory(tmp_path / "run")
     assert cli_train(small, run.path, "train.max_steps=2", "train.valid_every=1", "train.keep_last=3") == 0
