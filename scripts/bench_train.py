@@ -19,6 +19,12 @@ by target and source length (`seq2seq.data.bucket`): the same update on
 batches of the same token budget with less padding. Its batches differ, so it
 times the first `--rounds x --steps` batches of each epoch order and also
 prints the padding of each order over the whole epoch.
+`--compare trainer` sets the whole `seq2seq train` loop of `--config` (data loading with its
+subword sampling and workers, the update, logging, the progress bar, the stop checks; no
+validation) against its isolated `UpdateStep` on the very batches the loop fed it, round by
+round: the loop runs `--steps` updates, then the update step alone runs those batches again.
+Its last line is the loop's share of the update's speed ("ratio"); `--set KEY=VALUE ...`
+overrides the config (e.g. `--set data.sampling_alpha=0 train.num_workers=2`).
 With `--device cuda`, `--compare gpu-precision` sets fp32 against bf16
 autocast and `--compare gpu-attention` sets the trainer's attention kernels
 in bf16 (every CUDA kernel but cuDNN's) against PyTorch's whole choice, which
@@ -75,7 +81,7 @@ from seq2seq.model import Kernels, training_kernel
 from seq2seq.tokenizer import Tokenizer, train_tokenizer
 from seq2seq.training.epochs import epoch_seed
 from seq2seq.training.trainer import Trainer
-from seq2seq.training.update import UpdateStep
+from seq2seq.training.update import Launched, UpdateStep
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -128,6 +134,7 @@ SETTINGS: dict[str, dict[str, Setting]] = {
     "batching": {"longer-side": Setting(), "both-sides": Setting()},
     "gpu-precision": {"fp32": Setting("fp32"), "bf16": Setting("bf16")},
     "gpu-attention": {"trainer's": Setting("bf16"), "pytorch": Setting("bf16", None)},
+    "trainer": {"update step": Setting(), "seq2seq train": Setting()},
 }
 
 
@@ -141,6 +148,9 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU: {_cpu()}{where}")
     if args.compare == "precision":
         _bench_matmul(args.rounds)
+    if args.compare == "trainer":
+        _bench_trainer(args)
+        return
     tokenizer = _tokenizer(args)
     for name in args.models:
         with tempfile.TemporaryDirectory() as run_dir:
@@ -164,6 +174,11 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--compare", choices=list(SETTINGS), default="precision")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument(
+        "--config", default=str(ROOT / "configs/quickstart.yaml"), help="--compare trainer: the run's config"
+    )
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="--compare trainer: config overrides")
+    p.add_argument("--warmup", type=int, default=5, help="--compare trainer: untimed updates first")
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here")
@@ -251,6 +266,103 @@ def _bench(trainer: Trainer, name: str, args: argparse.Namespace) -> None:
 
         graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
         print(f"  compiled graphs: {graphs}, graph breaks: {breaks}")
+
+
+class _RoundDone(Exception):
+    """Raised from inside the loop once every round is measured: the run ends there, unvalidated."""
+
+
+class _TimedLoop:
+    """Stands in for the trainer's `UpdateStep`: lets the loop run `steps` updates a round, timing them from
+    the first update's launch to the launch after the last one (so the loop's fetch of each batch is inside),
+    then runs the same batches through the update step alone, outside the loop's timeline."""
+
+    def __init__(self, update: UpdateStep, trainer: Trainer, args: argparse.Namespace) -> None:
+        self.update, self.trainer, self.args = update, trainer, args
+        self.sync = torch.cuda.synchronize if trainer.device.type == "cuda" else lambda: None
+        self.calls, self.round_start = 0, 0.0
+        self.batches: list[tuple[list[Batch], int, float]] = []
+        self.loop: list[float] = []
+        self.alone: list[float] = []
+
+    def __getattr__(self, name: str) -> object:  # optimizer, scaler, ... for the trainer's checkpoints
+        return getattr(self.update, name)
+
+    def launch(self, batches: list[Batch], step: int, lr: float) -> Launched:
+        a = self.args
+        self.calls += 1
+        if self.calls > a.warmup and len(self.batches) == a.steps:  # a round of the loop has ended
+            self.sync()
+            seconds = time.perf_counter() - self.round_start
+            tokens = sum(b.n_tokens for group, _, _ in self.batches for b in group)
+            self.loop.append(tokens / seconds)
+            self.alone.append(self._alone(tokens))
+            r = len(self.loop)
+            print(
+                f"  round {r}: update step {self.alone[-1]:.0f} tok/s, seq2seq train {self.loop[-1]:.0f} tok/s, "
+                f"ratio {self.loop[-1] / self.alone[-1]:.2f}",
+                flush=True,
+            )
+            self.batches = []
+            if r == a.rounds:
+                raise _RoundDone
+        if self.calls == a.warmup + 1 or (self.calls > a.warmup and not self.batches):
+            self.sync()
+            self.round_start = time.perf_counter()
+        if self.calls > a.warmup:
+            self.batches.append((batches, step, lr))
+        return self.update.launch(batches, step, lr)
+
+    def _alone(self, tokens: int) -> float:
+        self.sync()
+        start = time.perf_counter()
+        for group, step, lr in self.batches:
+            self.update(group, step, lr)
+        self.sync()
+        return tokens / (time.perf_counter() - start)
+
+
+def _bench_trainer(args: argparse.Namespace) -> None:
+    """`seq2seq train`'s loop against its own update step on the same batches, interleaved round by round."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        overrides = [
+            f"data.dir={args.data}",
+            f"train.run_dir={run_dir}",
+            f"train.device={args.device}",
+            f"train.threads={args.threads}",
+            "train.valid_every=1000000000",  # no validation inside the measured updates
+            "train.save_every=0",
+            *args.set,
+        ]
+        cfg = load_config(args.config, overrides)
+        t0 = time.perf_counter()
+        trainer = Trainer(cfg)
+        d, t = cfg.data, cfg.train
+        print(f"\n{args.config} {' '.join(args.set)}: set up in {time.perf_counter() - t0:.0f} s")
+        print(
+            f"  {sum(p.numel() for p in trainer.model.parameters()) / 1e6:.1f}M parameters, "
+            f"{trainer.update.precision}, max_tokens {t.max_tokens}, update_freq {t.update_freq}, "
+            f"sampling_alpha {d.sampling_alpha}, num_workers {t.num_workers}"
+        )
+        timed = _TimedLoop(trainer.update, trainer, args)
+        trainer.update = timed  # type: ignore[assignment]
+        try:
+            trainer.fit()
+        except _RoundDone:
+            pass
+        finally:
+            trainer.close()
+    if len(timed.loop) < args.rounds:
+        raise SystemExit(f"the run ended after {len(timed.loop)} of {args.rounds} rounds: raise its limits")
+    ratios = [loop / alone for loop, alone in zip(timed.loop, timed.alone)]
+    print(
+        f"  median: update step {statistics.median(timed.alone):.0f} tok/s, "
+        f"seq2seq train {statistics.median(timed.loop):.0f} tok/s"
+    )
+    print(
+        f"ratio (seq2seq train / its update step): {statistics.median(ratios):.2f} median of {len(ratios)} rounds "
+        f"(min {min(ratios):.2f}, max {max(ratios):.2f})"
+    )
 
 
 def _epoch_batches(trainer: Trainer, ties: bool, n: int) -> list[Batch]:

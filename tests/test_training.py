@@ -122,7 +122,8 @@ def test_accumulating_two_batches_equals_one_batch_of_their_union(
         union = [collate_ids(trainer, first + second)]
         results, grads = [], []
         for batches in (parts, union):
-            results.append(trainer.update.accumulate(batches, step=1))
+            loss, nll, tokens = trainer.update.accumulate(batches, step=1)  # (device, device, host)
+            results.append((float(loss), float(nll), tokens))
             grads.append([p.grad.clone() for p in trainer.model.parameters()])
             trainer.update.optimizer.zero_grad(set_to_none=True)
         (loss_a, nll_a, tokens_a), (loss_b, nll_b, tokens_b) = results
@@ -156,6 +157,7 @@ def test_precision_choices_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
         resolve_precision("fp16", cpu)
 
 
+@pytest.mark.trains
 def test_bf16_autocast_trains_like_fp32_on_cpu(small: Path, tmp_path: Path) -> None:
     """bf16 autocast keeps fp32 weights and converges as fp32 does (the safety half of `auto`)."""
     losses = {}
@@ -167,13 +169,14 @@ def test_bf16_autocast_trains_like_fp32_on_cpu(small: Path, tmp_path: Path) -> N
     assert losses["fp32"] < 2.5  # from ~4.2 at the start: it did learn
 
 
+@pytest.mark.trains
 def test_rdrop_reaches_the_training_step_and_trains(small: Path, tmp_path: Path) -> None:
     losses = []
     for alpha in (1e-6, 2.0):  # R-Drop on in both: the same two dropout masks, a heavier KL in the second
         trainer = Trainer(config(small, tmp_path / f"alpha{alpha}", "model.dropout=0.1", f"train.rdrop_alpha={alpha}"))
         try:
             batch = trainer.epochs.batch(1, 0)
-            losses.append(trainer.update.accumulate([batch], step=1)[0])
+            losses.append(float(trainer.update.accumulate([batch], step=1)[0]))
         finally:
             trainer.close()
     assert losses[1] > losses[0]
@@ -184,6 +187,7 @@ def test_rdrop_reaches_the_training_step_and_trains(small: Path, tmp_path: Path)
 # Exact resume.
 
 
+@pytest.mark.trains
 @pytest.mark.parametrize(
     "update_freq, stop, end, extra",
     [
@@ -251,6 +255,7 @@ def strip(row: torch.Tensor) -> list[int]:
     return ids[:-1]
 
 
+@pytest.mark.trains
 def test_resuming_a_finished_run_changes_nothing(small: Path, tmp_path: Path) -> None:
     cfg = config(small, tmp_path / "run", "train.max_steps=3")
     train(cfg)
@@ -261,6 +266,7 @@ def test_resuming_a_finished_run_changes_nothing(small: Path, tmp_path: Path) ->
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+@pytest.mark.trains
 def test_resume_refuses_a_different_model(small: Path, tmp_path: Path) -> None:
     train(config(small, tmp_path / "run", "train.max_steps=1"))
     with pytest.raises(TrainingError, match="does not match its checkpoint") as refused:
@@ -303,6 +309,7 @@ def _logged_step(run_dir: Path, step: int) -> Callable[[], bool]:
     return lambda: log.exists() and f"step {step}: loss" in log.read_text()
 
 
+@pytest.mark.trains
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_saves_a_checkpoint_and_exits_cleanly(small: Path, tmp_path: Path, sig: signal.Signals) -> None:
     run = tmp_path / "run"
@@ -321,6 +328,7 @@ def test_a_signal_saves_a_checkpoint_and_exits_cleanly(small: Path, tmp_path: Pa
     assert f"at step {stopped} (epoch" in (run / "train.log").read_text()
 
 
+@pytest.mark.trains
 def test_kill_9_leaves_only_complete_checkpoints_and_the_run_resumes(small: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     proc, _ = _start(small, run, "train.save_every=1", "train.valid_every=4", "train.keep_last=2")
@@ -361,6 +369,7 @@ def _nan_loss(monkeypatch: pytest.MonkeyPatch, bad: Callable[[int], bool]) -> No
     monkeypatch.setattr(update_module, "batch_loss", loss)
 
 
+@pytest.mark.trains
 def test_a_nan_loss_skips_the_update_with_a_warning(
     small: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -371,6 +380,7 @@ def test_a_nan_loss_skips_the_update_with_a_warning(
     assert all(torch.isfinite(t).all() for t in weights(tmp_path / "run").values())
 
 
+@pytest.mark.trains
 def test_persistent_nan_stops_with_a_clear_message(
     small: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -379,6 +389,7 @@ def test_persistent_nan_stops_with_a_clear_message(
         train(config(small, tmp_path / "run", "train.max_bad_steps=3", "train.max_steps=50"))
 
 
+@pytest.mark.trains
 def test_persistent_nan_is_one_line_from_the_cli(
     small: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -393,6 +404,7 @@ def test_persistent_nan_is_one_line_from_the_cli(
 # Validation: best checkpoint and early stopping.
 
 
+@pytest.mark.trains
 @pytest.mark.parametrize("metric, scores", [("bleu", [1.0, 3.0, 2.0, 2.5, 9.0]), ("loss", [3.0, 1.0, 2.0, 1.5, 0.1])])
 def test_best_checkpoint_by_metric_and_early_stopping(
     small: Path, tmp_path: Path, metric: str, scores: list[float]
@@ -437,6 +449,7 @@ def test_best_checkpoint_by_metric_and_early_stopping(
 # Logging.
 
 
+@pytest.mark.trains
 def test_tensorboard_scalars_examples_and_log_file(small: Path, tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -463,6 +476,7 @@ def test_tensorboard_scalars_examples_and_log_file(small: Path, tmp_path: Path) 
     assert "step 6: valid" in log and "training finished at step 6" in log
 
 
+@pytest.mark.trains
 def test_metrics_jsonl_holds_every_log_event_appended_across_a_resume(small: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     settings = ("train.valid_bleu=true", "train.valid_every=3", "decode.max_len=12")
@@ -480,3 +494,52 @@ def test_metrics_jsonl_holds_every_log_event_appended_across_a_resume(small: Pat
     assert {"loss", "nll", "ppl", "lr", "grad_norm", "tokens_per_s"} <= step.keys() and step["epoch"] == 1
     assert {"loss", "nll", "ppl", "bleu", "minutes"} <= valid.keys() and 0 <= valid["bleu"] <= 100
     assert read_metrics(run / "metrics.jsonl") == sorted(records, key=lambda r: r["step"])
+
+
+# The input pipeline and the update's numbers.
+
+
+def test_worker_processes_yield_the_batches_of_the_training_process(small: Path, tmp_path: Path) -> None:
+    """Sampled segmentations are drawn from (seed, epoch, batch), so two workers collate what one process would,
+    in the same order, from any start within the epoch."""
+    sampled = ("data.sampling_alpha=0.2", "data.sampling_nbest=-1")
+    here = Trainer(config(small, tmp_path / "here", *sampled))
+    there = Trainer(config(small, tmp_path / "there", *sampled, "train.num_workers=2"))
+    try:
+        assert there.epochs.num_workers == 2
+        for epoch, start in ((1, 0), (2, 3)):
+            expected = list(here.epochs.loader(epoch, start))
+            got = list(there.epochs.loader(epoch, start))
+            assert len(got) == len(expected) == len(here.epochs.batches(epoch)) - start > 0
+            for a, b in zip(expected, got):
+                assert a.n_tokens == b.n_tokens
+                assert all(torch.equal(x, y) for x, y in zip(vars(a).values(), vars(b).values()) if torch.is_tensor(x))
+    finally:
+        here.close()
+        there.close()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_numbers_read_back_from_an_update_are_those_computed_on_the_host(
+    small: Path, tmp_path: Path, precision: str
+) -> None:
+    """Loss, nll and gradient norm stay on the device until `finish` reads them in one transfer: the same
+    numbers as summing each micro-batch's loss on the host and taking the norm of the gradients it leaves."""
+    settings = ("model.dropout=0", f"train.precision={precision}", "train.update_freq=2", "train.clip_norm=0.5")
+    trainer = Trainer(config(small, tmp_path / "run", *settings))
+    try:
+        update, batches = trainer.update, [trainer.epochs.batch(1, 0), trainer.epochs.batch(1, 1)]
+        tokens = sum(b.n_tokens for b in batches)
+        loss, nll, counted = update.accumulate(batches, step=1)
+        grads = [p.grad.double() for p in trainer.model.parameters() if p.grad is not None]
+        norm = math.sqrt(sum(float(g.pow(2).sum()) for g in grads))
+        update.optimizer.zero_grad(set_to_none=True)
+        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        stats = update.finish(update.launch(batches, step=1, lr=1e-3))
+        assert stats is not None and counted == tokens and stats["tokens"] == tokens and stats["lr"] == 1e-3
+        assert stats["loss"] == pytest.approx(float(loss) / tokens, rel=1e-6)
+        assert stats["nll"] == pytest.approx(float(nll) / tokens, rel=1e-6)
+        assert stats["grad_norm"] == pytest.approx(norm, rel=1e-4)  # the norm before clipping
+        assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())  # applied
+    finally:
+        trainer.close()

@@ -83,6 +83,15 @@ def sum_all(values: list[float], device: torch.device) -> list[float]:
     return tensor.tolist()
 
 
+def sum_tensors(values: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over all ranks on the device, nothing read back (identity for one process)."""
+    if world_size() == 1:
+        return values
+    values = values.clone()
+    dist.all_reduce(values)
+    return values
+
+
 def any_all(flags: list[bool], device: torch.device) -> list[bool]:
     """Each flag True on every rank if it is True on any rank (a stop signal, a time limit)."""
     return [total > 0 for total in sum_all([float(f) for f in flags], device)]

@@ -120,8 +120,11 @@ class EpochSource:
             (s + [EOS], t + [EOS]) if not dropped_as(s, t, d.max_len) else pair for s, t, pair in zip(src, tgt, best)
         ]
 
-    def loader(self, epoch: int, start: int) -> Generator[Batch, None, None]:
-        """The collated batches of `epoch` from batch `start` on, in order; workers collate ahead."""
+    def loader(self, epoch: int, start: int, pin_memory: bool = False) -> Generator[Batch, None, None]:
+        """The collated batches of `epoch` from batch `start` on, in order; workers collate ahead.
+
+        `pin_memory` (for CUDA) puts each batch in page-locked memory, which the copy to the GPU
+        then reads without waiting for the host."""
         dataset = _EpochDataset(self, epoch)
         loader = torch.utils.data.DataLoader(
             dataset,
@@ -129,6 +132,7 @@ class EpochSource:
             sampler=range(start, len(self.batches(epoch))),
             num_workers=self.num_workers,
             collate_fn=_identity,
+            pin_memory=pin_memory,
         )
         yield from loader
 

@@ -48,7 +48,7 @@ from seq2seq.training.setup import (
     wrap_ddp,
 )
 from seq2seq.training.stopping import StopPolicy
-from seq2seq.training.update import UpdateStep
+from seq2seq.training.update import Launched, UpdateStep
 
 __all__ = ["Trainer", "train"]
 
@@ -149,26 +149,42 @@ class Trainer:
         dist.teardown()
 
     def _run_epoch(self) -> str:
-        """Train on the rest of the current epoch; returns why training must stop, or ''."""
+        """Train on the rest of the current epoch; returns why training must stop, or ''.
+
+        Update k is read back only once the batches of update k + 1 are fetched and on their way to the
+        device: the host prepares data while the device computes, and still knows whether update k counted
+        before it numbers the next one."""
         freq, p = self.cfg.train.update_freq, self.progress
         n = len(self.epochs.batches(p.epoch))
         total, done = math.ceil(n / freq), math.ceil(p.batch_in_epoch / freq)
-        loader = self.epochs.loader(p.epoch, p.batch_in_epoch)
+        loader = self.epochs.loader(p.epoch, p.batch_in_epoch, pin_memory=self.device.type == "cuda")
         with monitor.progress(total, done, f"epoch {p.epoch}", enabled=self.main) as bar, contextlib.closing(loader):
+            launched: tuple[Launched, int] | None = None  # the update on the device, and the batch after its own
             for start in range(p.batch_in_epoch, n, freq):
-                group = list(itertools.islice(loader, freq))
-                stats = self.update(group, p.step + 1, self.lr(p.step + 1))
-                p.batch_in_epoch = start + len(group)
-                bar.update(1)
-                if stats is not None:
-                    p.step += 1
-                    self._after_update(stats, bar)
-                reason = self.should_stop()
+                group = [batch.to(self.device) for batch in itertools.islice(loader, freq)]
+                if launched is not None:
+                    reason = self._finish_update(*launched, bar)
+                    if reason:
+                        return reason
+                launched = self.update.launch(group, p.step + 1, self.lr(p.step + 1)), start + len(group)
+            if launched is not None:
+                reason = self._finish_update(*launched, bar)
                 if reason:
                     return reason
         p.epoch, p.batch_in_epoch = p.epoch + 1, 0
         if not self.cfg.train.valid_every and p.validated_step != p.step:
             self._validate_and_save()
+        return self.should_stop()
+
+    def _finish_update(self, launched: Launched, end: int, bar: Any) -> str:
+        """Read a launched update back and account for it; returns why training must stop, or ''."""
+        stats = self.update.finish(launched)
+        p = self.progress
+        p.batch_in_epoch = end
+        bar.update(1)
+        if stats is not None:
+            p.step += 1
+            self._after_update(stats, bar)
         return self.should_stop()
 
     def _after_update(self, stats: dict[str, float], bar: Any) -> None:

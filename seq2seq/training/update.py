@@ -4,6 +4,14 @@ Everything an update depends on is a field of `UpdateStep`, so a benchmark or
 a test configures one (e.g. `dataclasses.replace(step, precision="bf16")`)
 instead of patching a trainer.
 
+An update is launched (`launch`: forward, backward, clipping, the optimizer
+step, all queued on the device, nothing read back) and finished (`finish`:
+its loss, gradient norm and finiteness read to the host in one transfer).
+The trainer finishes update k only after it has fetched and sent the batches
+of update k + 1, so on CUDA the host never waits for the device with nothing
+else to do. A non-finite update is skipped on the device itself: the fused
+optimizer takes a `found_inf` flag and leaves weights and moments untouched.
+
 The dropout RNG is re-seeded before every forward pass from (seed, step,
 micro-batch), as fairseq does: a resumed run draws the same masks as an
 uninterrupted one, and two DDP ranks draw what one process accumulating their
@@ -34,6 +42,16 @@ log = logging.getLogger("seq2seq.train")
 def micro_batch_seed(seed: int, step: int, index: int) -> int:
     """Seed of the dropout RNG for micro-batch `index` (global over ranks) of update `step`."""
     return ((seed * 1_000_003 + step) * 10_007 + index) % (2**63)
+
+
+@dataclasses.dataclass
+class Launched:
+    """An update queued on the device, not yet read back."""
+
+    step: int
+    lr: float
+    tokens: float  # target tokens of the update, over all ranks
+    numbers: torch.Tensor  # (4,) float64 on the device: loss sum, nll sum, gradient norm, 1.0 if applied else 0.0
 
 
 @dataclasses.dataclass
@@ -81,25 +99,36 @@ class UpdateStep:
         )
 
     def __call__(self, batches: list[Batch], step: int, lr: float) -> dict[str, float] | None:
-        """Update `step` over `batches` (update_freq of them) at learning rate `lr`.
+        """Update `step` over `batches` (update_freq of them) at learning rate `lr`, read back at once.
 
         Returns the update's statistics, or None if it was skipped as non-finite.
         """
+        return self.finish(self.launch(batches, step, lr))
+
+    def launch(self, batches: list[Batch], step: int, lr: float) -> Launched:
+        """Queue update `step` over `batches` at learning rate `lr`; nothing is read back from the device."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         loss, nll, tokens = self.accumulate(batches, step)
-        grad_norm = self.apply_gradients(math.isfinite(loss))
-        if not math.isfinite(grad_norm):
-            self._skipped(step, loss)
+        grad_norm, applied = self.apply_gradients(torch.isfinite(loss))
+        return Launched(step, lr, tokens, torch.stack([loss, nll, grad_norm.double(), applied.double()]))
+
+    def finish(self, launched: Launched) -> dict[str, float] | None:
+        """The launched update's statistics (one read from the device), or None if it was skipped."""
+        loss, nll, grad_norm, applied = launched.numbers.tolist()
+        if not applied:
+            self._skipped(launched.step, loss)
             return None
         self.bad_steps = 0
-        return {"loss": loss / tokens, "nll": nll / tokens, "tokens": tokens, "lr": lr, "grad_norm": grad_norm}
+        tokens = launched.tokens
+        return {"loss": loss / tokens, "nll": nll / tokens, "tokens": tokens, "lr": launched.lr, "grad_norm": grad_norm}
 
-    def accumulate(self, batches: list[Batch], step: int) -> tuple[float, float, float]:
+    def accumulate(self, batches: list[Batch], step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
         """Forward and backward over the micro-batches, leaving in `.grad` the gradient of the
         summed loss divided by the target tokens of the whole update on all ranks.
 
-        Returns the summed (loss, nll) and the number of target tokens, over all ranks.
+        Returns the summed (loss, nll) over all ranks, as float64 scalars on the device, and the
+        number of target tokens over all ranks.
         """
         world, rank = dist.world_size(), dist.rank()
         tokens = dist.sum_all([float(sum(b.n_tokens for b in batches))], self.device)[0]
@@ -116,20 +145,33 @@ class UpdateStep:
                 self.scaler.scale(loss * scale).backward()
             loss_sum += loss.detach()
             nll_sum += nll.detach()
-        loss_total, nll_total = dist.sum_all([loss_sum.item(), nll_sum.item()], self.device)
+        loss_total, nll_total = dist.sum_tensors(torch.stack([loss_sum, nll_sum]))
         return loss_total, nll_total, tokens
 
-    def apply_gradients(self, loss_finite: bool) -> float:
-        """Unscale, clip and apply the gradients; returns their norm, or nan if the update was skipped."""
+    def apply_gradients(self, loss_finite: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unscale, clip and apply the gradients unless the loss or their norm is not finite.
+
+        Returns their norm and whether they were applied, both on the device: with a fused optimizer
+        in fp32 or bf16 nothing is read back (the optimizer skips a non-finite update itself); with
+        fp16's gradient scaler, or an optimizer that takes no such flag, the flag is read here.
+        """
         self.scaler.unscale_(self.optimizer)
         max_norm = self.clip_norm or math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
-        applied = loss_finite and math.isfinite(grad_norm)
-        if applied:
-            self.scaler.step(self.optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        applied = loss_finite & torch.isfinite(grad_norm)
+        if self.scaler.is_enabled() or not self.optimizer.defaults.get("fused"):
+            if bool(applied):
+                self.scaler.step(self.optimizer)
+        else:
+            self.optimizer.found_inf = (~applied).float()  # type: ignore[attr-defined]
+            self.optimizer.grad_scale = None  # type: ignore[attr-defined]
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.found_inf, self.optimizer.grad_scale  # type: ignore[attr-defined]
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm if applied else math.nan
+        return grad_norm, applied
 
     def _skipped(self, step: int, loss: float) -> None:
         """Warn about a skipped update; give up when they keep coming."""
