@@ -4,7 +4,9 @@
 # 1. the equivalence tests parametrized by device (tests/conftest.py `device`) on CUDA;
 # 2. the quickstart config for $STEPS updates (default 300) in each of $PRECISIONS (default fp32, bf16 and
 #    fp16 with its gradient scaler) on CUDA, with the median training tok/s of each;
-# 3. translate and evaluate of the fp32 run on CUDA, and serve answering one request on CUDA;
+# 3. `seq2seq train` against its own update step on the same batches (scripts/bench_train.py --compare trainer)
+#    with the model FLOPs utilisation, for the quickstart, the en-de recipe and a 6+6 d512 shape, fp32 and bf16;
+#    then translate and evaluate of the fp32 run on CUDA, and serve answering one request on CUDA;
 # 4. the whole test suite last, since it is the longest and mostly runs on the CPU.
 # Everything is written to $OUT (default runs/gpu_check); the summary is $OUT/summary.txt.
 #
@@ -54,6 +56,25 @@ for precision in $PRECISIONS; do
   else
     note "train $precision FAILED: $(tail -3 "$OUT/train_$precision.log" | tr '\n' ' ')"
   fi
+done
+
+note "== seq2seq train against its own update step on CUDA (scripts/bench_train.py --compare trainer)"
+bench_trainer() {  # LABEL ARGS...: the loop's share of its update step's tok/s, and the model FLOPs utilisation
+  local label=$1
+  shift
+  if $PY scripts/bench_train.py --device cuda --compare trainer --rounds 5 --steps 20 "$@" \
+      > "$OUT/bench_$label.log" 2>&1; then
+    note "$label: $(grep -E 'median:|model FLOPs|^ratio' "$OUT/bench_$label.log" | sed 's/^ *//' | tr '\n' ' ')"
+  else
+    note "$label FAILED: $(tail -3 "$OUT/bench_$label.log" | tr '\n' ' ')"
+  fi
+}
+BASE=(model.d_model=512 model.transformer.n_heads=8 model.transformer.d_ff=2048 model.transformer.encoder_layers=6
+  model.transformer.decoder_layers=6 train.max_tokens=16384)
+for precision in fp32 bf16; do
+  bench_trainer "quickstart_$precision" --config configs/quickstart.yaml --set "train.precision=$precision"
+  bench_trainer "en_de_$precision" --config configs/m30k_en_de.yaml --set "train.precision=$precision"
+  bench_trainer "base_$precision" --config configs/quickstart.yaml --set "train.precision=$precision" "${BASE[@]}"
 done
 
 note "== translate / evaluate / serve on CUDA"
