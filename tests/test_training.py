@@ -493,6 +493,7 @@ def test_metrics_jsonl_holds_every_log_event_appended_across_a_resume(small: Pat
     assert start["parameters"] > 0 and start["epoch"] == 1
     assert {"loss", "nll", "ppl", "lr", "grad_norm", "tokens_per_s"} <= step.keys() and step["epoch"] == 1
     assert {"loss", "nll", "ppl", "bleu", "minutes"} <= valid.keys() and 0 <= valid["bleu"] <= 100
+    assert valid["seconds"] > 0 and 0 < valid["share"] < 1  # validation's cost: its seconds and share of the time
     assert read_metrics(run / "metrics.jsonl") == sorted(records, key=lambda r: r["step"])
 
 

@@ -98,6 +98,7 @@ class Trainer:
             self.writer = monitor.tensorboard(self.run.tensorboard, self.progress.step)
         self.metrics = monitor.MetricsFile(self.run.metrics if self.main else None)
         self.meter, self.stop, self.start_time = monitor.Meter(), Interrupts(library_checks=False), time.monotonic()
+        self.validation_seconds = 0.0  # this session's, for its share of the wall time
         params = sum(p.numel() for p in self.model.parameters())
         self.metrics.write("start", self.progress.step, self.progress.epoch, parameters=params)
         log.info(
@@ -233,9 +234,15 @@ class Trainer:
         """Validate on rank 0, update the early-stopping state on every rank; True if this is the best yet."""
         p, improved = self.progress, False
         if self.main:
-            scores, minutes = self.validator(), self.elapsed() / 60
+            began = time.monotonic()
+            scores = self.validator()
+            seconds = time.monotonic() - began
+            self.validation_seconds += seconds
+            minutes = self.elapsed() / 60
+            share = self.validation_seconds / max(self.elapsed() - self.progress.elapsed, 1e-9)
+            log.info("validation took %.1f s; %.0f%% of this session's training time so far", seconds, 100 * share)
             monitor.log_validation(self.writer, p.step, scores, minutes, self.validator.examples)
-            self.metrics.write("valid", p.step, p.epoch, **scores, minutes=minutes)
+            self.metrics.write("valid", p.step, p.epoch, **scores, minutes=minutes, seconds=seconds, share=share)
             improved = self.policy.record(p, scores)
         p.validated_step = p.step
         shared = dist.broadcast_from_main([p.best, p.best_metric, p.bad_validations, improved])
