@@ -73,7 +73,7 @@ def build_train_step(
     def step(b: dict[str, Any]) -> float:
         n = next(steps)
         stats = update([converted.get(id(b)) or _batch(b)], n, lr(n))
-        return stats["loss"] if stats else float("nan")
+        return stats.loss if stats else float("nan")
 
     info = {
         "precision": precision,

@@ -11,6 +11,7 @@ import pytest
 
 from seq2seq.training import monitor
 from seq2seq.training.monitor import Meter, MetricsFile, read_metrics
+from seq2seq.training.update import UpdateStats
 
 
 class Clock:
@@ -37,8 +38,8 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     return fake
 
 
-def update(loss: float, nll: float, tokens: float, grad_norm: float, lr: float) -> dict[str, float]:
-    return {"loss": loss, "nll": nll, "tokens": tokens, "grad_norm": grad_norm, "lr": lr}
+def update(loss: float, nll: float, tokens: float, grad_norm: float, lr: float) -> UpdateStats:
+    return UpdateStats(loss=loss, nll=nll, tokens=tokens, lr=lr, grad_norm=grad_norm)
 
 
 def test_averages_weigh_losses_by_tokens_and_grad_norms_by_updates(

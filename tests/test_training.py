@@ -537,10 +537,10 @@ def test_the_numbers_read_back_from_an_update_are_those_computed_on_the_host(
         update.optimizer.zero_grad(set_to_none=True)
         before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
         stats = update.finish(update.launch(batches, step=1, lr=1e-3))
-        assert stats is not None and counted == tokens and stats["tokens"] == tokens and stats["lr"] == 1e-3
-        assert stats["loss"] == pytest.approx(float(loss) / tokens, rel=1e-6)
-        assert stats["nll"] == pytest.approx(float(nll) / tokens, rel=1e-6)
-        assert stats["grad_norm"] == pytest.approx(norm, rel=1e-4)  # the norm before clipping
+        assert stats is not None and counted == tokens and stats.tokens == tokens and stats.lr == 1e-3
+        assert stats.loss == pytest.approx(float(loss) / tokens, rel=1e-6)
+        assert stats.nll == pytest.approx(float(nll) / tokens, rel=1e-6)
+        assert stats.grad_norm == pytest.approx(norm, rel=1e-4)  # the norm before clipping
         assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())  # applied
     finally:
         trainer.close()

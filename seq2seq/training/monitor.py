@@ -11,7 +11,10 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from seq2seq.training.update import UpdateStats
 
 log = logging.getLogger("seq2seq.train")
 
@@ -32,14 +35,14 @@ class Meter:
         self.start = time.monotonic()
         self.timed_tokens = 0.0
 
-    def add(self, stats: dict[str, float]) -> None:
-        self.loss += stats["loss"] * stats["tokens"]
-        self.nll += stats["nll"] * stats["tokens"]
-        self.tokens += stats["tokens"]
-        self.timed_tokens += stats["tokens"]
-        self.grad_norm += stats["grad_norm"]
+    def add(self, stats: UpdateStats) -> None:
+        self.loss += stats.loss * stats.tokens
+        self.nll += stats.nll * stats.tokens
+        self.tokens += stats.tokens
+        self.timed_tokens += stats.tokens
+        self.grad_norm += stats.grad_norm
         self.updates += 1
-        self.lr = stats["lr"]
+        self.lr = stats.lr
 
     def log(self, writer: Any, step: int, metrics: MetricsFile | None = None, epoch: int = 0) -> str:
         """Write the averages to TensorBoard, metrics.jsonl and the log file; return a short progress-bar text."""

@@ -48,7 +48,7 @@ from seq2seq.training.setup import (
     wrap_ddp,
 )
 from seq2seq.training.stopping import StopPolicy
-from seq2seq.training.update import Launched, UpdateStep
+from seq2seq.training.update import Launched, UpdateStats, UpdateStep
 
 __all__ = ["Trainer", "train"]
 
@@ -188,7 +188,7 @@ class Trainer:
             self._after_update(stats, bar)
         return self.should_stop()
 
-    def _after_update(self, stats: dict[str, float], bar: Any) -> None:
+    def _after_update(self, stats: UpdateStats, bar: Any) -> None:
         """Log, validate or save on the steps the config asks for."""
         t, step = self.cfg.train, self.progress.step
         self.meter.add(stats)

@@ -44,6 +44,17 @@ def micro_batch_seed(seed: int, step: int, index: int) -> int:
     return ((seed * 1_000_003 + step) * 10_007 + index) % (2**63)
 
 
+@dataclasses.dataclass(frozen=True)
+class UpdateStats:
+    """What one applied update did, per target token where it is a loss."""
+
+    loss: float  # label-smoothed loss per target token
+    nll: float  # negative log-likelihood per target token
+    tokens: float  # target tokens of the update, over all ranks
+    lr: float
+    grad_norm: float  # before clipping
+
+
 @dataclasses.dataclass
 class Launched:
     """An update queued on the device, not yet read back."""
@@ -98,7 +109,7 @@ class UpdateStep:
             ddp,
         )
 
-    def __call__(self, batches: list[Batch], step: int, lr: float) -> dict[str, float] | None:
+    def __call__(self, batches: list[Batch], step: int, lr: float) -> UpdateStats | None:
         """Update `step` over `batches` (update_freq of them) at learning rate `lr`, read back at once.
 
         Returns the update's statistics, or None if it was skipped as non-finite.
@@ -113,7 +124,7 @@ class UpdateStep:
         grad_norm, applied = self.apply_gradients(torch.isfinite(loss))
         return Launched(step, lr, tokens, torch.stack([loss, nll, grad_norm.double(), applied.double()]))
 
-    def finish(self, launched: Launched) -> dict[str, float] | None:
+    def finish(self, launched: Launched) -> UpdateStats | None:
         """The launched update's statistics (one read from the device), or None if it was skipped."""
         loss, nll, grad_norm, applied = launched.numbers.tolist()
         if not applied:
@@ -121,7 +132,7 @@ class UpdateStep:
             return None
         self.bad_steps = 0
         tokens = launched.tokens
-        return {"loss": loss / tokens, "nll": nll / tokens, "tokens": tokens, "lr": launched.lr, "grad_norm": grad_norm}
+        return UpdateStats(loss / tokens, nll / tokens, tokens, launched.lr, grad_norm)
 
     def accumulate(self, batches: list[Batch], step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
         """Forward and backward over the micro-batches, leaving in `.grad` the gradient of the
