@@ -7,11 +7,11 @@ import itertools
 import json
 import logging
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import zip_longest
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol, overload
 
 import numpy as np
 
@@ -27,6 +27,14 @@ if TYPE_CHECKING:  # torch is imported where a tensor is made: the CLI starts (a
 log = logging.getLogger(__name__)
 
 MAX_LINE_BYTES = 2**20  # a sentence takes a few hundred bytes; a longer line is not text for translation
+TOO_LONG_LINE = f"line longer than {MAX_LINE_BYTES // 2**20} MiB"
+
+
+@dataclass(frozen=True)
+class LongLine:
+    """In place of a line longer than MAX_LINE_BYTES, read past without keeping it; `where` is FILE:LINE."""
+
+    where: str
 
 
 def find_file(directory: str | Path, split: str, lang: str) -> Path:
@@ -43,21 +51,25 @@ def read_lines(path: str | Path) -> list[str]:
     return list(stream_lines(path))
 
 
-def stream_lines(path: str | Path) -> Iterator[str]:
+@overload
+def stream_lines(path: str | Path, skip_long: Literal[False] = False) -> Iterator[str]: ...
+@overload
+def stream_lines(path: str | Path, skip_long: bool) -> Iterator[str | LongLine]: ...
+def stream_lines(path: str | Path, skip_long: bool = False) -> Iterator[str | LongLine]:
     """The lines of a UTF-8 text file, plain or gzipped, without line endings, one at a time (a corpus
-    larger than memory streams through); errors name the file (and line)."""
+    larger than memory streams through); errors name the file (and line). `skip_long`: as decode_lines."""
     path = Path(path)
     if not path.is_file():
         what = "not a regular file" if path.exists() else "missing data file"  # /dev/zero would never end
         raise DataError(f"{what}: {path}")
-    return _decoded_lines(path)
+    return _decoded_lines(path, skip_long)
 
 
-def _decoded_lines(path: Path) -> Iterator[str]:
+def _decoded_lines(path: Path, skip_long: bool) -> Iterator[str | LongLine]:
     opener = gzip.open if path.suffix == ".gz" else open
     try:
         with opener(path, "rb") as f:
-            yield from decode_lines(f, str(path))
+            yield from decode_lines(f, str(path), skip_long)
     except (OSError, EOFError) as e:  # e.g. a truncated or fake .gz
         raise DataError(f"{path}: cannot read ({e})") from None
 
@@ -68,29 +80,48 @@ class LineSource(Protocol):
     def readline(self, size: int = -1, /) -> bytes: ...
 
 
-def decode_lines(stream: LineSource, name: str) -> Iterator[str]:
+@overload
+def decode_lines(stream: LineSource, name: str, skip_long: Literal[False] = False) -> Iterator[str]: ...
+@overload
+def decode_lines(stream: LineSource, name: str, skip_long: bool) -> Iterator[str | LongLine]: ...
+def decode_lines(stream: LineSource, name: str, skip_long: bool = False) -> Iterator[str | LongLine]:
     """The UTF-8 lines of a binary stream without their line ending, each as soon as it arrives.
 
     Only a newline byte ends a line: a carriage return, U+2028 or U+0085 inside a line
     stays there (text mode and `str.splitlines` would split it and shift every later line).
-    A line is read MAX_LINE_BYTES at most, so binary data (or /dev/zero) fails fast instead of
-    filling memory; a corrupt gzip stream fails naming the file. Each line is a safe point for
-    a Ctrl-C, and one while waiting for a line (a terminal, a pipe) stops the command at once.
+    A line is read MAX_LINE_BYTES at most, so it never fills memory: a longer one is refused naming
+    FILE:LINE, or with `skip_long` read past in blocks and yielded as a LongLine, so that one bad line
+    of a large corpus costs that line only. A long line holding NUL bytes is binary data (or /dev/zero,
+    which never ends) and always refused. A corrupt gzip stream fails naming the file. Each line is a
+    safe point for a Ctrl-C, and one while waiting for a line (a terminal, a pipe) stops the command at once.
     """
     for number in itertools.count(1):
-        try:
-            with interrupt.at_once():
-                raw = stream.readline(MAX_LINE_BYTES + 1)
-        except zlib.error as e:
-            raise DataError(f"{name}: cannot read: corrupt compressed data ({e})") from None
+        raw = _read_line(stream, name)
         if not raw:
             return
         if len(raw) > MAX_LINE_BYTES:
-            raise DataError(f"{name}:{number}: line longer than {MAX_LINE_BYTES // 2**20} MiB; is this text?")
+            where = f"{name}:{number}"
+            if not skip_long:
+                raise DataError(f"{where}: {TOO_LONG_LINE}; is this text?")
+            while raw and not raw.endswith(b"\n") and b"\0" not in raw:  # the rest of the line, a block at a time
+                raw = _read_line(stream, name)
+            if b"\0" in raw:
+                raise DataError(f"{where}: {TOO_LONG_LINE}, with NUL bytes; is this text?")
+            yield LongLine(where)
+            continue
         try:
             yield raw.decode("utf-8").rstrip("\r\n")
         except UnicodeDecodeError:
             raise DataError(f"{name}:{number}: invalid UTF-8") from None
+
+
+def _read_line(stream: LineSource, name: str) -> bytes:
+    """A line, or its next MAX_LINE_BYTES + 1 bytes; b"" at the end."""
+    try:
+        with interrupt.at_once():
+            return stream.readline(MAX_LINE_BYTES + 1)
+    except zlib.error as e:
+        raise DataError(f"{name}: cannot read: corrupt compressed data ({e})") from None
 
 
 def read_parallel(directory: str | Path, split: str, src_lang: str, tgt_lang: str) -> tuple[list[str], list[str]]:
@@ -125,24 +156,43 @@ def split_files(d: DataConfig, split: str) -> tuple[Path, ...]:
     return (find_file(d.dir, split, d.format),)
 
 
-def split_pairs(d: DataConfig, files: tuple[Path, ...]) -> Iterator[tuple[str, str]]:
-    """The (source, target) lines of a split's file(s), streamed; a bad line is one error naming FILE:LINE."""
+DropLongLine = Callable[[LongLine], None]
+"""Told of each line longer than MAX_LINE_BYTES whose pair a reader drops (instead of refusing the file)."""
+
+
+def split_pairs(
+    d: DataConfig, files: tuple[Path, ...], dropped: DropLongLine | None = None
+) -> Iterator[tuple[str, str]]:
+    """The (source, target) lines of a split's file(s), streamed; a bad line is one error naming FILE:LINE.
+    With `dropped`, a line longer than MAX_LINE_BYTES drops its pair instead, and `dropped` is told."""
     if len(files) == 2:
-        yield from aligned_lines(*files)
+        yield from aligned_lines(*files, dropped)
         return
-    for number, line in enumerate(stream_lines(files[0]), 1):
-        yield parse_pair(d, line, f"{files[0]}:{number}")
+    for number, line in enumerate(stream_lines(files[0], skip_long=dropped is not None), 1):
+        if isinstance(line, LongLine):
+            assert dropped is not None
+            dropped(line)
+        else:
+            yield parse_pair(d, line, f"{files[0]}:{number}")
 
 
-def aligned_lines(src_path: Path, tgt_path: Path) -> Iterator[tuple[str, str]]:
-    """The lines of two files side by side; misaligned if one ends first (the other's rest counted)."""
-    src_lines, tgt_lines = stream_lines(src_path), stream_lines(tgt_path)
+def aligned_lines(src_path: Path, tgt_path: Path, dropped: DropLongLine | None = None) -> Iterator[tuple[str, str]]:
+    """The lines of two files side by side; misaligned if one ends first (the other's rest counted).
+    With `dropped`, a pair with a side longer than MAX_LINE_BYTES is left out, and `dropped` is told."""
+    skip = dropped is not None
+    src_lines, tgt_lines = stream_lines(src_path, skip), stream_lines(tgt_path, skip)
     for n, (s, t) in enumerate(zip_longest(src_lines, tgt_lines)):
         if s is None or t is None:
             rest = 1 + sum(1 for _ in (tgt_lines if s is None else src_lines))
             counts = (n, n + rest) if s is None else (n + rest, n)
             raise misaligned(src_path, counts[0], tgt_path, counts[1])
-        yield s, t
+        long = s if isinstance(s, LongLine) else t
+        if isinstance(long, LongLine):
+            assert dropped is not None
+            dropped(long)
+        else:
+            assert isinstance(s, str) and isinstance(t, str)
+            yield s, t
 
 
 def parse_pair(d: DataConfig, line: str, where: str) -> tuple[str, str]:
@@ -158,6 +208,10 @@ def parse_pair(d: DataConfig, line: str, where: str) -> tuple[str, str]:
         record = json.loads(line)
     except json.JSONDecodeError as e:
         raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise DataError(f"{where}: invalid JSON (nested too deeply)") from None
+    except ValueError as e:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
+        raise DataError(f"{where}: a number too long to read ({str(e).partition(';')[0]})") from None
     if not isinstance(record, dict):
         raise DataError(f"{where}: a JSON object with {d.src_field!r} and {d.tgt_field!r} expected")
     return _text_field(record, d.src_field, where), _text_field(record, d.tgt_field, where)
@@ -318,11 +372,23 @@ class Batch:
     n_tokens: int  # real target tokens (the loss normaliser)
 
     def to(self, device: torch.device) -> Batch:
+        if self.src.device == device:
+            return self
         return Batch(
             self.src.to(device, non_blocking=True),
             self.src_pad_mask.to(device, non_blocking=True),
             self.tgt_in.to(device, non_blocking=True),
             self.tgt_out.to(device, non_blocking=True),
+            self.n_tokens,
+        )
+
+    def pin_memory(self) -> Batch:
+        """The batch in page-locked host memory (DataLoader(pin_memory=True) calls this)."""
+        return Batch(
+            self.src.pin_memory(),
+            self.src_pad_mask.pin_memory(),
+            self.tgt_in.pin_memory(),
+            self.tgt_out.pin_memory(),
             self.n_tokens,
         )
 

@@ -45,6 +45,8 @@ def parse_record(line: str, where: str) -> Record:
         raise DataError(
             f'{where}: not JSON; each line must be an object like {{"text": "...", "prefix": "..."}}'
         ) from None
+    except ValueError as e:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
+        raise DataError(f"{where}: a number too long to read ({str(e).partition(';')[0]})") from None
     if not isinstance(raw, dict):
         raise DataError(f'{where}: each line must be a JSON object with a "text" string')
     for key in raw:

@@ -45,7 +45,7 @@ import numpy as np
 
 from seq2seq import interrupt
 from seq2seq.config import DataConfig
-from seq2seq.data import EMPTY, dropped_as, find_file, no_pairs, split_files, split_pairs
+from seq2seq.data import EMPTY, TOO_LONG_LINE, LongLine, dropped_as, find_file, no_pairs, split_files, split_pairs
 from seq2seq.errors import ConfigError, DataError
 from seq2seq.owned import check_replaceable, is_regular_file, make_temporary, remove_temporary, replace_directory
 from seq2seq.tokenizer import Tokenizer, read_spm_models, read_tokenizer, tag_line, tokenizer_files, train_tokenizer
@@ -252,7 +252,8 @@ def _build(
     sources = [describe_source(path) for pair in files for path in pair]
     where = ", ".join(f"{d.dir}/{name}" for name, _ in d.train_sets())
     split = split_text(d, files, out, shard_lines, d.spm_sample // (2 if d.shared_vocab else 1), source_tags(d))
-    log.info("preparing %d lines of %s into %s", split.lines, where, out.with_name(out.name.rpartition(".tmp")[0]))
+    read = split.lines + split.too_long
+    log.info("preparing %d lines of %s into %s", read, where, out.with_name(out.name.rpartition(".tmp")[0]))
     tokenizer = tokenizer or given_tokenizer(d) or _train(d, files, split.sample)
     tokenizer.save(out)
     pool = max(1, workers or os.cpu_count() or 1) if split.lines >= pool_min_lines else 1
@@ -260,6 +261,7 @@ def _build(
     for shard, number, lines in zip(shards, split.shard_sets, split.shard_lines):
         sizes = {suffix: (out / f"{shard['name']}.{suffix}").stat().st_size for suffix in SHARD_FILES}
         shard.update(set=number, lines=lines, sizes=sizes)
+    dropped["too_long"] += split.too_long
     pairs = sum(shard["pairs"] for shard in shards)
     if not pairs:
         raise DataError(f"{where}: no sentence pairs left after filtering")
@@ -270,7 +272,7 @@ def _build(
         "tokenizer": tokenizer_hash(tokenizer),
         "dtype": id_dtype(tokenizer).name,
         "shards": shards,
-        "lines": split.lines,
+        "lines": read,
         "pairs": pairs,
         "dropped": dropped,
     }
@@ -315,24 +317,32 @@ def id_dtype(tokenizer: Tokenizer) -> np.dtype[Any]:
 
 @dataclass
 class SplitText:
-    lines: int
+    lines: int  # in the text shards
     shard_lines: list[int]
     shard_sets: list[int]  # which training set each shard holds
     sample: tuple[list[str], list[str]]
+    too_long: int = 0  # pairs dropped for a line longer than data.MAX_LINE_BYTES, never read whole
 
 
 def split_text(
     d: DataConfig, files: list[tuple[Path, ...]], out: Path, shard_lines: int, sample_size: int, tags: list[str]
 ) -> SplitText:
     """Copy the pairs of each training set into text shards, checking them; sample pairs uniformly.
+    A pair with a line longer than 1 MiB is dropped with a warning naming FILE:LINE, and counted.
 
     `tags`: per set, the target language whose tag goes before its source lines ("": none)."""
     split = SplitText(0, [], [], ([], []))
     rng = random.Random(0)
+
+    def dropped(line: LongLine) -> None:
+        log.warning("%s: %s; its pair is dropped", line.where, TOO_LONG_LINE)
+        split.too_long += 1
+
     for number, group in enumerate(files):
         writer: _TextShard | None = None
         with_text = any_line = False
-        for s, t in _tagged(split_pairs(d, group), tags[number]):
+        long_before = split.too_long
+        for s, t in _tagged(split_pairs(d, group, dropped), tags[number]):
             writer = writer or _TextShard(out, len(split.shard_lines))
             writer.add(s, t)
             with_text = with_text or bool(s.strip() and t.strip())
@@ -347,7 +357,7 @@ def split_text(
             split.shard_lines.append(writer.close())
             split.shard_sets.append(number)
         if not with_text:
-            raise no_pairs(group, blank=not any_line)
+            raise no_pairs(group, blank=not any_line and split.too_long == long_before)
     return split
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
+import json
 import os
 import shutil
 import signal
@@ -31,6 +32,7 @@ from seq2seq import checkpoint as ckpt
 from seq2seq.config import load_config
 from seq2seq.model import build_model
 from seq2seq.tokenizer import train_tokenizer
+from seq2seq.translate import Translator
 
 # exit 2: a config key, or a command-line flag (usage error)
 PREFIX = {
@@ -329,6 +331,34 @@ def test_endless_line_is_refused_naming_file_and_line(trained_run: Path) -> None
     for argv in (["translate", "-c", checkpoint], ["translate", "-c", checkpoint, "-i", "/dev/stdin"]):
         code, out, err = run(argv, stdin=b"red cat\nblue dog\n")
         assert (code, out.count("\n")) == (0, 2), err  # stdin and pipes still work
+
+
+@pytest.mark.usefixtures("one_thread")  # as the command's one thread, for the translations compared
+@pytest.mark.parametrize("input_format", ["text", "jsonl"])
+def test_a_line_longer_than_1_mib_is_left_untranslated_and_the_rest_is_translated(
+    trained_run: Path, input_format: str
+) -> None:
+    """A 10 MB line between two short ones: an empty output line in its place (one output line per input
+    line), a warning naming stdin:LINE, and the other lines translated as they are on their own."""
+    checkpoint = str(trained_run / "checkpoint_best.pt")
+    words = ["red cat", "blue " * (2 << 20), "sun tree"]
+    lines = [json.dumps({"text": w}) if input_format == "jsonl" else w for w in words]
+    argv = ["translate", "-c", checkpoint, "--input-format", input_format]
+    code, out, err = run(argv, stdin="\n".join(lines).encode() + b"\n")
+    assert code == 0, err[-2000:]
+    assert "stdin:2: line longer than 1 MiB; not translated, its output line is empty" in err
+    output = out.split("\n")
+    assert len(output) == 4 and output[1] == "" and output[3] == ""
+    assert [output[0], output[2]] == Translator.from_checkpoint(checkpoint).translate(["red cat", "sun tree"])
+
+
+def test_a_jsonl_number_too_long_for_python_is_one_line_after_the_lines_before_it(trained_run: Path) -> None:
+    """An integer of 5,000 digits is past Python's int-string limit (a ValueError inside json.loads)."""
+    checkpoint = str(trained_run / "checkpoint_best.pt")
+    lines = b'{"text": "red cat"}\n{"text": "sun", "prefix": ' + b"7" * 5000 + b'}\n{"text": "tree"}\n'
+    outcome = run(["translate", "-c", checkpoint, "--input-format", "jsonl"], stdin=lines)
+    assert_refused(outcome, 1, "stdin:2: a number too long to read")
+    assert outcome[1].count("\n") == 1  # the line before it was translated
 
 
 def test_corrupt_gzip_is_refused_naming_the_file(trained_run: Path, corpus: Path, tmp_path: Path) -> None:

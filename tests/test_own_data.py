@@ -91,6 +91,8 @@ def test_each_format_prepares_like_text_trains_translates_and_evaluates(
         ("train.jsonl", b'{"src": "\xff", "tgt": "b"}\n', r"train.jsonl:1: invalid UTF-8"),
         ("train.jsonl", b'{"src": "\\ud800", "tgt": "b"}\n', r"train.jsonl:1: field 'src' holds invalid UTF-8"),
         ("train.jsonl", b'{"src": " ", "tgt": "b"}\n', r"train.jsonl has no line pair with text on both sides"),
+        ("train.jsonl", b'{"src": ' + b"1" * 5000 + b', "tgt": "b"}\n', r"train.jsonl:1: a number too long to read"),
+        ("train.jsonl", b"[" * 100_000 + b"\n", r"train.jsonl:1: invalid JSON \(nested too deeply\)"),
     ],
 )
 def test_a_malformed_line_is_one_error_naming_file_and_line(
@@ -106,6 +108,21 @@ def test_a_malformed_line_is_one_error_naming_file_and_line(
     assert err.count("\n") == 1 and err.startswith("seq2seq: error: ")
     assert re_search(message, err)
     assert not list(run.glob("prepared*"))  # nothing half-written is left
+
+
+@pytest.mark.parametrize("fmt", ["tsv", "jsonl"])
+def test_a_line_longer_than_1_mib_in_a_file_of_pairs_drops_that_pair(
+    tmp_path: Path, fmt: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    corpus = write_pairs(tmp_path / "pairs", fmt)
+    path = corpus / f"train.{fmt}"
+    lines = path.read_bytes().splitlines(keepends=True)
+    path.write_bytes(b"".join([lines[0], pair_line(fmt, "red " * (1 << 19), "x").encode() + b"\n", *lines[1:]]))
+    run = tmp_path / "run"
+    assert main(["prepare", *args(corpus, run, *format_overrides(fmt))]) == 0
+    assert f"{path}:2: line longer than 1 MiB; its pair is dropped" in capsys.readouterr().err
+    manifest = json.loads((run / "prepared" / "manifest.json").read_text())
+    assert (manifest["lines"], manifest["pairs"], manifest["dropped"]["too_long"]) == (301, 300, 1)
 
 
 def re_search(pattern: str, text: str) -> bool:

@@ -110,6 +110,29 @@ def test_bad_training_files_are_one_line(tmp_path: Path, files: dict[str, bytes]
     assert not list(tmp_path.glob("p*"))  # nothing half-written is left
 
 
+@pytest.mark.parametrize("name", ["train.tgt", "train.src.gz"])
+def test_a_line_longer_than_1_mib_drops_its_pair_and_the_rest_is_prepared(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    """One 10 MB line among 400 pairs (plain or gzipped, either side): that pair is dropped and counted, with a
+    warning naming FILE:LINE; every other pair is prepared, still aligned."""
+    corpus = write_corpus(tmp_path / "corpus", n_train=400)
+    src, tgt = ((corpus / f"train.{side}").read_text(encoding="utf-8").splitlines() for side in ("src", "tgt"))
+    plain, path = corpus / name.removesuffix(".gz"), corpus / name
+    lines = plain.read_bytes().splitlines(keepends=True)
+    lines[199] = b"blue " * (2 << 20) + b"\n"  # line 200: 10 MiB of words
+    plain.unlink()
+    path.write_bytes(gzip.compress(b"".join(lines)) if name.endswith(".gz") else b"".join(lines))
+    run = tmp_path / "run"
+    assert main(["prepare", "--config", str(TINY), *tiny_overrides(corpus, run, "train.threads=1")]) == 0
+    assert f"{path}:200: line longer than 1 MiB; its pair is dropped" in capsys.readouterr().err
+    manifest = json.loads((run / "prepared" / "manifest.json").read_text())
+    assert (manifest["lines"], manifest["pairs"], manifest["dropped"]["too_long"]) == (400, 399, 1)
+    prepared = PreparedCorpus(run / "prepared")
+    for i, line in ((198, 198), (199, 200), (398, 399)):  # pairs before and after the dropped one, aligned
+        assert prepared.text(i) == (src[line], tgt[line])
+
+
 def test_several_training_sets_are_prepared_together_and_upsampled_by_weight(tmp_path: Path) -> None:
     corpus = write_corpus(tmp_path / "corpus", n_train=300)
     extra = write_corpus(tmp_path / "extra", n_train=200, seed=9)

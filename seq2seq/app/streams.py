@@ -2,7 +2,9 @@
 
 Input is read as bytes and split on newlines only, like the corpus reader, so
 one input line is always one output line. Every line before an unreadable one
-is translated and written before the error.
+is translated and written before the error. A line longer than 1 MiB is read
+past, not translated: a warning names FILE:LINE and its output line is empty
+(as an empty input line's), so the output stays aligned with the input.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import IO, TYPE_CHECKING, BinaryIO, Literal, TypeVar
 from seq2seq.app.files import refuse_output_that_is_read
 from seq2seq.app.model import ModelOptions, engine_of, open_translator
 from seq2seq.app.progress import progress_bar
-from seq2seq.data import decode_lines, read_lines
+from seq2seq.data import TOO_LONG_LINE, LongLine, decode_lines, read_lines
 from seq2seq.errors import UsageError, UserError
 from seq2seq.inputs import Record
 
@@ -138,7 +140,7 @@ def read_records(source: BinaryIO, options: TranslateOptions) -> Iterator[Record
     from seq2seq import inputs
 
     name = options.input or "stdin"
-    lines = decode_lines(source, name)
+    lines = (_text(line) for line in decode_lines(source, name, skip_long=True))
     if options.input_format == "jsonl":
         return inputs.jsonl(lines, name)
     if not options.prefix_file:
@@ -149,6 +151,14 @@ def read_records(source: BinaryIO, options: TranslateOptions) -> Iterator[Record
         if count != len(prefixes):
             raise inputs.misaligned(options.prefix_file, len(prefixes), name, str(count))
     return inputs.with_prefixes(lines, prefixes, options.prefix_file, name)
+
+
+def _text(line: str | LongLine) -> str:
+    """A line's text; "" (an empty output line, as an empty input line's) for one too long to read."""
+    if isinstance(line, LongLine):
+        log.warning("%s: %s; not translated, its output line is empty", line.where, TOO_LONG_LINE)
+        return ""
+    return line
 
 
 def stdin() -> BinaryIO:
