@@ -27,10 +27,12 @@ log-probabilities (JSONL output) come from CTranslate2 scoring each hypothesis.
 The directory is checked before it loads: `seq2seq-manifest.json`, written by
 the export, records the size and sha256 of every file the engine and the
 tokenizer read (model.bin, config.json, the vocabularies, the SentencePiece
-model(s)) and the model settings; a file that differs, a symbolic link, or a
-`seq2seq.yaml` whose model settings (max_positions...) differ from the exported
-model's is one line. A directory exported before the manifest existed loads with
-a warning that its files are not checked.
+model(s)) and the model settings; a file that differs, or a `seq2seq.yaml` whose
+model settings (max_positions...) differ from the exported model's, is one line.
+A file may be a symbolic link, as model stores (the Hugging Face cache among
+them) keep files as links to blobs: the link is followed and its target checked.
+A directory exported before the manifest existed loads with a warning that its
+files are not checked.
 
 `ctranslate2` is an optional extra (`pip install -e ".[export]"`), imported only here and in seq2seq.export.
 """
@@ -48,7 +50,7 @@ import torch
 from seq2seq.config import DecodeConfig, ExperimentConfig, dotted, from_dict, load_config, migrate_model, to_dict
 from seq2seq.data import pad
 from seq2seq.errors import UserError
-from seq2seq.owned import is_regular_file, sha256_file
+from seq2seq.owned import sha256_file
 from seq2seq.search import Hypothesis, length_penalty, max_lengths
 from seq2seq.tokenizer import Tokenizer, read_tokenizer, tokenizer_files
 from seq2seq.translate import TextTranslator
@@ -318,8 +320,10 @@ def _read_manifest(path: Path) -> dict[str, Any]:
 
 
 def _check_file(file: Path, entry: dict[str, Any]) -> None:
-    if not is_regular_file(file):
-        raise UserError(f"{file} is not a regular file (a symbolic link?); export the model again")
+    """The file (or the target of a link to one) as the manifest describes it."""
+    if not file.is_file():
+        what = "a link to nothing" if file.is_symlink() and not file.exists() else "not a regular file"
+        raise UserError(f"{file} is {what}; export the model again")
     if file.stat().st_size != entry["size"] or sha256_file(file) != entry["sha256"]:
         raise UserError(f"{file} does not match {MANIFEST} (damaged or replaced since the export); export it again")
 

@@ -17,7 +17,6 @@ from pathlib import Path
 import sentencepiece as spm
 
 from seq2seq.errors import UserError
-from seq2seq.owned import is_regular_file
 from seq2seq.vocab import BOS, EOS, PAD, UNK
 
 TAG = re.compile(r"<2(.+)>")
@@ -141,11 +140,13 @@ def tokenizer_files(directory: Path, remedy: str, error: type[UserError] = UserE
 
 
 def read_tokenizer(directory: Path, remedy: str, error: type[UserError] = UserError) -> Tokenizer:
-    """The tokenizer `Tokenizer.save` wrote into a directory; each error names the file and ends with `remedy`."""
+    """The tokenizer `Tokenizer.save` wrote into a directory; each error names the file and ends with `remedy`.
+    A file may be a link to one (a model store's blob): the callers check the content against a hash."""
     files = tokenizer_files(directory, remedy, error)
     for file in files:
-        if not is_regular_file(file):
-            raise error(f"{file} is not a regular file (a symbolic link?); {remedy}")
+        if not file.is_file():  # a directory, a device, a link to neither file
+            what = "a link to nothing" if file.is_symlink() and not file.exists() else "not a regular file"
+            raise error(f"{file} is {what}; {remedy}")
     try:
         return Tokenizer(*(file.read_bytes() for file in files))
     except (RuntimeError, OSError) as e:

@@ -293,6 +293,16 @@ def linked_tokenizer(directory: Path) -> None:
     (directory / "spm.model").symlink_to(elsewhere)
 
 
+def linked_other_tokenizer(directory: Path) -> None:
+    other_tokenizer(directory)
+    linked_tokenizer(directory)
+
+
+def dangling_tokenizer(directory: Path) -> None:
+    linked_tokenizer(directory)
+    (directory.parent / "elsewhere.model").unlink()
+
+
 def shortened_vocabulary(directory: Path) -> None:
     path = next(directory.glob("*_vocabulary.json"))
     path.write_text(json.dumps(json.loads(path.read_text())[:-3]))
@@ -309,7 +319,8 @@ def raised_max_positions(directory: Path) -> None:
         (flip_weights, "model.bin does not match seq2seq-manifest.json"),
         (other_tokenizer, "spm.model does not match seq2seq-manifest.json"),
         (garbage_tokenizer, "spm.model does not match seq2seq-manifest.json"),
-        (linked_tokenizer, "spm.model is not a regular file"),
+        (linked_other_tokenizer, "spm.model does not match seq2seq-manifest.json"),
+        (dangling_tokenizer, "spm.model is a link to nothing"),
         (shortened_vocabulary, "_vocabulary.json does not match seq2seq-manifest.json"),
         (raised_max_positions, "model.max_positions is 4096, but the exported model has 128"),
     ],
@@ -333,7 +344,8 @@ def test_a_damaged_export_is_one_line(
     [
         (None, ""),
         (garbage_tokenizer, "spm.model: not a readable SentencePiece model"),
-        (linked_tokenizer, "spm.model is not a regular file"),
+        (linked_tokenizer, ""),
+        (dangling_tokenizer, "spm.model is a link to nothing"),
         (shortened_vocabulary, "_vocabulary.json has"),
     ],
 )
@@ -349,10 +361,38 @@ def test_an_export_without_a_manifest_loads_with_a_warning_and_is_still_checked(
         damage(export_copy)
     argv = ["translate", "-c", str(export_copy), "-i", str(trained_run / "config.yaml"), "--threads", "1"]
     outcome = run_in_process(argv, capsys)
-    if damage is None:
+    if not message:
         assert outcome.code == 0 and "its files are not checked" in outcome.err and "Traceback" not in outcome.err
     else:
         assert_clean_failure(outcome, 1, message)
+
+
+def as_model_store(directory: Path) -> dict[str, Path]:
+    """The export's files moved to blobs named by their hash, each name in the directory a relative link to its
+    blob, as the Hugging Face cache keeps a snapshot; the blob of each file, by name."""
+    blobs = directory.parent / "blobs"
+    blobs.mkdir()
+    out = {}
+    for path in sorted(directory.iterdir()):
+        blob = blobs / hashlib.sha256(path.read_bytes()).hexdigest()
+        path.rename(blob)
+        path.symlink_to(os.path.relpath(blob, directory))
+        out[path.name] = blob
+    return out
+
+
+def test_an_export_of_links_to_blobs_loads_and_the_blobs_are_checked(
+    export_copy: Path, trained_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blobs = as_model_store(export_copy)
+    argv = ["translate", "-c", str(export_copy), "-i", str(trained_run / "config.yaml"), "--threads", "1"]
+    outcome = run_in_process(argv, capsys)
+    assert outcome.code == 0 and outcome.out.count("\n") == len((trained_run / "config.yaml").read_bytes().splitlines())
+    flip_weights(export_copy)  # written through the link, into model.bin's blob
+    assert (export_copy / "model.bin").is_symlink() and (export_copy / "model.bin").resolve() == blobs["model.bin"]
+    before = snapshot(export_copy, blobs["model.bin"].parent)
+    assert_clean_failure(run_in_process(argv, capsys), 1, "model.bin does not match seq2seq-manifest.json")
+    assert snapshot(export_copy, blobs["model.bin"].parent) == before
 
 
 def as_flat_layout(model: dict[str, Any]) -> dict[str, Any]:
