@@ -310,14 +310,16 @@ class TrainConfig:
     log_every: int = 50
     max_bad_steps: int = 20  # consecutive non-finite losses before giving up
     deterministic: bool = False
-    num_workers: int = 0  # DataLoader processes collating batches while the model trains; 0: in this process
+    # DataLoader processes collating batches while the model trains; 0: in this process; auto: 0 on the CPU,
+    # up to 4 on CUDA (seq2seq.training.setup.data_workers says why)
+    num_workers: int | Literal["auto"] = "auto"
     # Fine-tuning: a checkpoint file, or a run directory (its checkpoint_best.pt), whose weights and tokenizer
     # start this run; everything else starts afresh (seq2seq/training/finetune.py). "": random weights.
     init_from: str = ""
 
     def __post_init__(self) -> None:
         _require_text(self.run_dir, "train.run_dir")
-        _require(0 <= self.num_workers <= 64, "train.num_workers", "must be in [0, 64]")
+        _require(self.num_workers == "auto" or 0 <= self.num_workers <= 64, "train.num_workers", "must be in [0, 64]")
         _require_seed(self.seed, "train.seed")
         _require(self.max_tokens >= 16, "train.max_tokens", "must be at least 16")
         _require(self.update_freq >= 1, "train.update_freq", "must be at least 1")
@@ -707,9 +709,25 @@ def _section_type(kind: Any) -> type | None:
     return None
 
 
+def _options(kind: Any) -> list[Any]:
+    """The plain types and literal values a union field takes, in order."""
+    found: list[Any] = []
+    for option in typing.get_args(kind):
+        found += list(typing.get_args(option)) if typing.get_origin(option) is Literal else [option]
+    return found
+
+
 def _convert(value: Any, kind: Any, key: str, source: str) -> Any:
     """Check `value` against a field type, allowing the lossless conversions YAML needs."""
     origin = typing.get_origin(kind)
+    if origin in (Union, UnionType):  # e.g. `int | Literal["auto"]`: the first that takes the value
+        for option in typing.get_args(kind):
+            try:
+                return _convert(value, option, key, source)
+            except ConfigError:
+                pass
+        names = [repr(a) if isinstance(a, str) else getattr(a, "__name__", str(a)) for a in _options(kind)]
+        raise ConfigError(f"{source}: {key} must be {' or '.join(names)}; got {value!r}")
     if origin is Literal:
         choices = typing.get_args(kind)
         if value not in choices:

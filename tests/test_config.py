@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import single_thread_env
+import torch
+from conftest import TINY, single_thread_env
 
 from seq2seq.config import (
     ExperimentConfig,
@@ -21,6 +23,7 @@ from seq2seq.config import (
 )
 from seq2seq.errors import ConfigError
 from seq2seq.model import build_model
+from seq2seq.training.setup import data_workers
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -388,3 +391,23 @@ def test_config_files_must_be_small_regular_files(tmp_path: Path) -> None:
     assert "Is a directory" in config_error(tmp_path)
     big = write(tmp_path, "# padding\n" * 200_000)
     assert "larger than 1 MiB; not a config file" in config_error(big)
+
+
+@pytest.mark.parametrize(("value", "expected"), [("auto", "auto"), ("2", 2), ("0", 0)])
+def test_num_workers_takes_a_count_or_auto(value: str, expected: int | str) -> None:
+    assert load_config(TINY, [f"train.num_workers={value}"]).train.num_workers == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "message"), [("x", "train.num_workers must be int or 'auto'; got 'x'"), ("65", "must be in [0, 64]")]
+)
+def test_num_workers_refuses_anything_else_naming_the_key(value: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(TINY, [f"train.num_workers={value}"])
+
+
+def test_auto_workers_are_none_on_the_cpu_and_a_few_on_cuda() -> None:
+    """On the CPU a worker would take a core from the model; on CUDA sampling in the main process starves the GPU."""
+    assert data_workers("auto", torch.device("cpu")) == 0
+    assert 0 <= data_workers("auto", torch.device("cuda")) <= 4
+    assert data_workers(3, torch.device("cpu")) == 3
