@@ -12,6 +12,9 @@ import pytest
 import torch
 from conftest import ROOT, single_thread_env
 
+from seq2seq import metrics
+from seq2seq.translate import Translator
+
 SCRIPTS = ROOT / "scripts"
 
 
@@ -51,7 +54,10 @@ def test_plot_curves_without_metrics_is_one_line(what: str, tmp_path: Path) -> N
     assert not (tmp_path / "c.png").exists()
 
 
-def test_decode_grid_prints_one_row_per_beam_and_one_column_per_alpha(trained_run: Path, tmp_path: Path) -> None:
+@pytest.mark.usefixtures("one_thread")  # as the script's --threads 1
+def test_decode_grid_prints_one_row_per_beam_and_one_column_per_alpha(
+    trained_run: Path, corpus: Path, tmp_path: Path
+) -> None:
     checkpoint = str(trained_run / "checkpoint_best.pt")
     args = [checkpoint, "--beams", "1", "2", "--alphas", "0.6", "1.4", "--threads", "1"]
     table = [line for line in run_script("decode_grid.py", *args, cwd=tmp_path).stdout.splitlines() if "|" in line]
@@ -60,7 +66,12 @@ def test_decode_grid_prints_one_row_per_beam_and_one_column_per_alpha(trained_ru
     assert [row[0] for row in rows] == ["1", "2"]
     scores = [[float(cell) for cell in row[1:]] for row in rows]
     assert scores[0][0] == scores[0][1]  # greedy search has no length penalty
-    assert all(80 < score <= 100 for row in scores for score in row)  # the tiny model reverses val sentences
+    translator = Translator.from_checkpoint(checkpoint, strategy="beam", nbest=1)
+    src, refs = (corpus / "val.src").read_text().splitlines(), (corpus / "val.tgt").read_text().splitlines()
+    for beam, row in zip((1, 2), scores):  # each cell: the val BLEU of the checkpoint so decoded, whatever it learnt
+        for alpha, score in zip((0.6, 1.4), row):
+            hyps = translator.with_decode(beam_size=beam, length_penalty=alpha).translate(src)
+            assert score == round(metrics.bleu(hyps, refs).score, 2), (beam, alpha)
 
 
 def test_bench_decode_reports_speed_ratios_and_identical_outputs(
@@ -78,6 +89,7 @@ def test_bench_decode_reports_speed_ratios_and_identical_outputs(
     assert all(len(ratios) == 1 and ratios[0] > 0 for ratios in summary["ratios"].values())
 
 
+@pytest.mark.usefixtures("one_thread")  # as the script's --threads 1
 def test_bench_decode_compares_engines(trained_run: Path, corpus: Path, tmp_path: Path) -> None:
     """This code against an earlier commit's (here HEAD: the same outputs) and the CTranslate2 export, on the
     checkpoint and on a random-weight model of the peer benchmark's smaller shape."""
@@ -96,11 +108,14 @@ def test_bench_decode_compares_engines(trained_run: Path, corpus: Path, tmp_path
         assert table["before"]["same_as_pytorch"] == 1.0
         assert all(r["sent_per_s"][0] > 0 and r["first_call_s"] > 0 for r in table.values())
     checkpoint = summary["results"]["checkpoint greedy"]
-    assert checkpoint["pytorch"]["bleu"] > 80
+    translator = Translator.from_checkpoint(trained_run / "checkpoint_best.pt", strategy="greedy", beam_size=2)
+    src, refs = (corpus / "test.src").read_text().splitlines()[:8], (corpus / "test.tgt").read_text().splitlines()[:8]
+    assert checkpoint["pytorch"]["bleu"] == metrics.bleu(translator.translate(src), refs).score  # of its outputs
     if "ct2-float32" in checkpoint:
         assert checkpoint["ct2-float32"]["same_as_pytorch"] >= 0.8  # the same model in another engine
 
 
+@pytest.mark.trains  # the script runs training updates in a child process
 @pytest.mark.parametrize(
     ("compare", "first", "second"),
     [("rdrop", "plain", "rdrop"), ("batching", "longer-side", "both-sides")],
@@ -142,6 +157,7 @@ def test_bench_train_refuses_a_gpu_comparison_on_the_cpu(tmp_path: Path) -> None
     assert done.returncode == 2 and "--compare gpu-attention needs --device cuda" in done.stderr
 
 
+@pytest.mark.trains  # three updates of an untrained model, and a bound on their loss
 def test_peer_adapter_runs_the_projects_update_and_search() -> None:
     """The bridge the peer benchmark suite calls: real updates, and decodes of exactly the forced length."""
     import importlib.util
