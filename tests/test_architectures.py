@@ -96,6 +96,7 @@ def rnn_run(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run_dir
 
 
+@pytest.mark.trains
 def test_rnn_translates_evaluates_averages_and_resumes(
     rnn_run: Path, corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -119,6 +120,7 @@ def test_rnn_translates_evaluates_averages_and_resumes(
 
 
 @pytest.mark.slow
+@pytest.mark.trains
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_every_architecture_learns_to_reverse(name: str, corpus: Path, tmp_path: Path) -> None:
     """The tiny config's budget for each architecture (~1-2 minutes each on one shared core)."""

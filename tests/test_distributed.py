@@ -29,6 +29,7 @@ COMMON = (
 )
 
 
+@pytest.mark.trains  # torchrun's two workers, and one process here
 @pytest.mark.parametrize(
     ("device", "extra"),
     [
@@ -86,6 +87,7 @@ def test_two_processes_match_one_process_with_the_doubled_batch(
 
 
 @pytest.mark.slow  # ~30 s: two agents and their rendezvous
+@pytest.mark.trains
 def test_two_torchrun_agents_with_c10d_rendezvous_match_one_process(tmp_path: Path) -> None:
     """Multi-node training as a cluster runs it: one agent per node (here two on loopback), one process each."""
     corpus = write_corpus(tmp_path / "corpus", n_train=600)

@@ -151,6 +151,7 @@ def _forced_logprobs(translator: Translator, source: str, tokens: list[int]) -> 
     return logits.float().log_softmax(-1)[0].gather(-1, tgt[0, :, None])[:, 0].tolist()
 
 
+@pytest.mark.trains
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("strategy", ["greedy", "beam"])
@@ -186,6 +187,7 @@ def test_every_variant_round_trips(
     assert searched_apart <= 1, f"the best hypothesis differs on {searched_apart} of {len(sources)} sentences"
 
 
+@pytest.mark.trains
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize(
     "settings",
@@ -207,6 +209,7 @@ def test_length_and_blocking_settings_match_the_pytorch_path(
     assert theirs.translate(sources) == ours
 
 
+@pytest.mark.trains
 @pytest.mark.usefixtures("one_thread")
 def test_prefixes_and_sampling(variants: dict[str, tuple[Path, Path]], corpus: Path) -> None:
     checkpoint, exported = variants["pre-sinusoidal-shared-gelu"]
@@ -272,6 +275,7 @@ def test_bad_requests_to_the_engine(trained_run: Path, tmp_path: Path, capsys: p
     assert "has no seq2seq.yaml" in capsys.readouterr().err
 
 
+@pytest.mark.trains
 @pytest.mark.usefixtures("one_thread")
 def test_the_server_runs_an_exported_model(variants: dict[str, tuple[Path, Path]], corpus: Path) -> None:
     from seq2seq.serve.engine import TranslatorEngine
@@ -287,6 +291,7 @@ def test_the_server_runs_an_exported_model(variants: dict[str, tuple[Path, Path]
     assert translator.decode.strategy == "greedy"  # a request's settings do not leak into the defaults
 
 
+@pytest.mark.trains
 def test_a_setting_that_cannot_be_honoured_is_said_once(
     variants: dict[str, tuple[Path, Path]], caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -61,6 +61,7 @@ def write_lines(path: Path, lines: list[str]) -> Path:
     return path
 
 
+@pytest.mark.trains
 def test_one_model_translates_the_same_input_into_either_language(
     multi_run: Path, test_lines: list[str], tmp_path: Path
 ) -> None:
@@ -73,6 +74,7 @@ def test_one_model_translates_the_same_input_into_either_language(
     assert share(same, test_lines) >= 0.8
 
 
+@pytest.mark.trains
 def test_jsonl_input_gives_each_line_its_own_target_language(
     multi_run: Path, test_lines: list[str], tmp_path: Path
 ) -> None:
@@ -89,6 +91,7 @@ def test_jsonl_input_gives_each_line_its_own_target_language(
     assert share(out, wanted) >= 0.8
 
 
+@pytest.mark.trains
 def test_training_logs_bleu_per_pair_and_their_mean(multi_run: Path) -> None:
     log = (multi_run / "train.log").read_text(encoding="utf-8")
     line = [row for row in log.splitlines() if "valid " in row][-1]
@@ -96,6 +99,7 @@ def test_training_logs_bleu_per_pair_and_their_mean(multi_run: Path) -> None:
     assert scores["bleu"] == pytest.approx((scores["bleu_src-rev"] + scores["bleu_src-same"]) / 2, abs=2e-3)
 
 
+@pytest.mark.trains
 def test_the_tags_are_in_the_tokenizer_and_on_the_prepared_sources(multi_run: Path) -> None:
     corpus = PreparedCorpus(multi_run / "prepared")
     assert corpus.tokenizer.target_langs == ("rev", "same")
@@ -105,6 +109,7 @@ def test_the_tags_are_in_the_tokenizer_and_on_the_prepared_sources(multi_run: Pa
     assert translator.tokenizer.target_langs == ("rev", "same")  # the checkpoint carries them
 
 
+@pytest.mark.trains
 def test_without_or_with_an_unknown_target_language_is_one_line(
     multi_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -127,6 +132,7 @@ def test_a_bilingual_model_refuses_another_target_language(trained_run: Path, tm
         translator.translate(["red cat"], tgt_lang="rev")
 
 
+@pytest.mark.trains
 def test_evaluate_scores_one_pair_at_a_time(multi_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     checkpoint = str(multi_run / "checkpoint_best.pt")
     assert main(["evaluate", "-c", checkpoint, "--threads", "1", "--tgt-lang", "rev"]) == 0
@@ -137,6 +143,7 @@ def test_evaluate_scores_one_pair_at_a_time(multi_run: Path, capsys: pytest.Capt
     assert err == ["seq2seq: usage error: this model translates several pairs (src-rev, src-same): give --tgt-lang"]
 
 
+@pytest.mark.trains
 def test_the_server_takes_a_target_language_per_request(multi_run: Path) -> None:
     pytest.importorskip("starlette")
     from test_serve import asgi_post

@@ -158,6 +158,7 @@ def test_evaluate_stops_inside_a_decode_step(trained_run: Path, corpus: Path) ->
     assert "BLEU" not in proc.stdout
 
 
+@pytest.mark.trains
 @pytest.mark.parametrize("where", ["save", "gc"])
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
 def test_training_saves_and_resumes_after_a_signal_anywhere(
