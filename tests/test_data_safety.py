@@ -95,6 +95,7 @@ def test_the_current_directory_as_prepared_dir_is_refused(
     assert snapshot(here, small_corpus) == before
 
 
+@pytest.mark.trains
 def test_the_run_directory_as_prepared_dir_on_resume_is_refused(
     small_corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -146,6 +147,7 @@ def test_only_marked_temporaries_of_dead_processes_are_removed(
     assert not abandoned.exists() and snapshot(lookalike) == before
 
 
+@pytest.mark.trains
 def test_train_removes_only_its_own_stale_checkpoint_temporaries(
     small_corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -224,6 +226,7 @@ def test_damaged_prepared_data_is_one_line(
 # A rerun after a first save that was interrupted before checkpoint_last.
 
 
+@pytest.mark.trains
 def test_a_rerun_after_an_interrupted_first_save_starts_the_run_over(
     small_corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

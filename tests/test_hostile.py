@@ -410,6 +410,7 @@ def test_ctrl_c_during_imports_is_one_line(trained_run: Path) -> None:
 # Data-parallel training: one rank killed.
 
 
+@pytest.mark.trains  # torchrun's workers train, then a `seq2seq train` resumes: both in child processes
 def test_survivor_of_a_killed_rank_says_one_line_and_the_run_resumes(corpus: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     common = ("train.valid_bleu=false", "train.max_tokens=256", "train.threads=1", "train.save_every=2")

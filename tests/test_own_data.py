@@ -53,6 +53,7 @@ def args(corpus: Path, run: Path, *extra: str) -> list[str]:
     return ["--config", str(TINY), *tiny_overrides(corpus, run, *QUICK, *extra)]
 
 
+@pytest.mark.trains
 @pytest.mark.parametrize("fmt, gz", [("tsv", False), ("tsv", True), ("jsonl", False)])
 def test_each_format_prepares_like_text_trains_translates_and_evaluates(
     tmp_path: Path, fmt: str, gz: bool, capsys: pytest.CaptureFixture[str]
@@ -159,6 +160,7 @@ def spm_model(path: Path, vocab_size: int, **ids: int) -> bytes:
 SEQ2SEQ_IDS = {"pad_id": 0, "unk_id": 1, "bos_id": 2, "eos_id": 3}
 
 
+@pytest.mark.trains
 def test_an_existing_sentencepiece_model_is_used_instead_of_training_one(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -245,6 +247,7 @@ def test_plan_warnings_name_the_limit_that_does_not_fit() -> None:
         TrainConfig(max_epochs=0)
 
 
+@pytest.mark.trains
 def test_training_warns_about_settings_that_do_not_fit_the_corpus(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

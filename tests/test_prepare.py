@@ -78,6 +78,7 @@ def test_prepared_data_is_reused_until_a_file_or_a_setting_changes(
     assert stale_reason(out, d, None) == "the training files changed"
 
 
+@pytest.mark.trains
 def test_train_prepares_once_and_the_next_run_reuses_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     corpus = write_corpus(tmp_path / "corpus", n_train=300)
     args = ["--config", str(TINY), *tiny_overrides(corpus, tmp_path / "run", "train.threads=1")]

@@ -52,6 +52,7 @@ def ran(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[subprocess
     return work, results
 
 
+@pytest.mark.trains  # the blocks train through `seq2seq train`
 def test_every_marked_readme_block_runs(ran: tuple[Path, list[subprocess.CompletedProcess[str]]]) -> None:
     work, results = ran
     assert all(r.returncode == 0 for r in results)
@@ -60,6 +61,7 @@ def test_every_marked_readme_block_runs(ran: tuple[Path, list[subprocess.Complet
     assert "initialized from" in (work / "runs/toy-ft/train.log").read_text()
 
 
+@pytest.mark.trains
 def test_the_readme_jobs_learn_their_toy_tasks(ran: tuple[Path, list[subprocess.CompletedProcess[str]]]) -> None:
     """The outputs the README's reader sees: BLEU from evaluate, translations that are sentences."""
     _, results = ran

@@ -21,6 +21,7 @@ from seq2seq.config import load_config
 from seq2seq.run_dir import RunDirectory
 from seq2seq.training.trainer import train
 
+pytestmark = pytest.mark.trains  # every test but one trains, here or in a child `seq2seq train`
 FAST = ("train.valid_bleu=false", "train.max_tokens=256", "train.max_epochs=1000", "train.log_every=1")
 DROPOUT = ("model.dropout=0.2", "model.transformer.attention_dropout=0.1", "train.warmup_steps=4")  # so the RNG matters
 
