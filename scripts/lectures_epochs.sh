@@ -37,11 +37,12 @@ run() {  # name: train 10 epochs, then score test with beam 5 and greedy
   # shellcheck disable=SC2086  # the config and its overrides are words
   $S2S train --config ${MODELS[$name]} $EPOCHS "train.run_dir=$dir"
   if [[ ! -s $dir/test_scores.txt ]]; then
-    { time $S2S evaluate -c "$dir/checkpoint_best.pt" > "$dir/test_scores.part" 2> "$dir/eval.log"; } 2> "$dir/eval_seconds"
+    { time $S2S evaluate -c "$dir/checkpoint_best.pt" --format json > "$dir/test_scores.part" 2> "$dir/eval.log"; } \
+      2> "$dir/eval_seconds"
     mv "$dir/test_scores.part" "$dir/test_scores.txt"
   fi
   if [[ ! -s $dir/test_scores_greedy.txt ]]; then
-    $S2S evaluate -c "$dir/checkpoint_best.pt" decode.beam_size=1 > "$dir/test_scores_greedy.part"
+    $S2S evaluate -c "$dir/checkpoint_best.pt" --format json decode.beam_size=1 > "$dir/test_scores_greedy.part"
     mv "$dir/test_scores_greedy.part" "$dir/test_scores_greedy.txt"
   fi
 }

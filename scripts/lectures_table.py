@@ -2,10 +2,10 @@
 
     python scripts/lectures_table.py runs/lectures/* [--decode-seconds NAME=SECONDS ...]
 
-Reads each run directory as `seq2seq train` and `seq2seq evaluate > RUN/test_scores.txt`
+Reads each run directory as `seq2seq train` and `seq2seq evaluate --format json > RUN/test_scores.txt`
 left it: `metrics.jsonl` (parameters, updates, the median training tokens/s,
 the best greedy val BLEU) and `test_scores.txt` (the
-evaluate output with the config's beam: sacreBLEU, chrF, and the lower-cased
+evaluate output with the config's beam, JSON or the text lines of older runs: sacreBLEU, chrF, and the lower-cased
 tokenized BLEU when the dataset's tokenized references are there), and
 `test_scores_greedy.txt` when there is one (the same with `decode.beam_size=1`,
 the decoding of published tutorial numbers). Decoding speed is
@@ -16,6 +16,7 @@ test sentences) as NAME=SECONDS.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import statistics
 from dataclasses import dataclass
@@ -42,10 +43,14 @@ class Run:
 
 
 def read_scores(path: Path) -> dict[str, float]:
-    """The scores `seq2seq evaluate` printed into `path` (none if there is no such file)."""
+    """The scores `seq2seq evaluate --format json` printed into `path` (none if there is no such file);
+    a file from before that option holds evaluate's text lines, read as they were printed."""
     if not path.exists():
         return {}
-    return {m.group(1): float(m.group(2)) for line in path.read_text().splitlines() if (m := SCORE.match(line))}
+    text = path.read_text()
+    if text.lstrip().startswith("{"):
+        return {s["name"]: float(s["score"]) for s in json.loads(text)["scores"]}
+    return {m.group(1): float(m.group(2)) for line in text.splitlines() if (m := SCORE.match(line))}
 
 
 def read_run(run_dir: Path) -> Run:

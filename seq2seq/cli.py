@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import sys
 from collections.abc import Sequence
@@ -130,6 +131,12 @@ def _parser() -> argparse.ArgumentParser:
         help="BLEU's 95%% interval from N resampled test sets (sacreBLEU's, seeded; 1000 is usual)",
     )
     p.add_argument("--save", help="write the translations here")
+    p.add_argument(
+        "--format",
+        choices=["text", "json"],
+        default="text",
+        help="text: a line per score; json: one object with every score, for programs (default: text)",
+    )
     p.set_defaults(run=_evaluate)
 
     p = sub.add_parser("average", help="average the weights of checkpoints")
@@ -262,6 +269,9 @@ def _evaluate(args: argparse.Namespace) -> int:
     from seq2seq.app.evaluation import EvaluateOptions, evaluate
 
     evaluation = evaluate(_from_args(EvaluateOptions, args), _model_options(args) if args.checkpoint else None)
+    if args.format == "json":
+        print(json.dumps(evaluation.record(), ensure_ascii=False))
+        return 0
     for line in evaluation.lines():
         print(line)
     return 0

@@ -199,6 +199,25 @@ def test_evaluate_scores_a_hypothesis_file(tmp_path: Path, capsys: pytest.Captur
     assert "nrefs:1" in report["chrF"] and "nrefs:1" in report["TER"]  # each score prints its signature
 
 
+def test_evaluate_json_holds_the_text_scores_for_programs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    refs = ["A dog runs through the snow.", "Two men are playing chess in a park.", "A girl in a red coat."]
+    (tmp_path / "ref.en").write_text("\n".join(refs) + "\n", encoding="utf-8")
+    (tmp_path / "hyp.en").write_text("A dog runs in the snow.\nTwo men play chess.\nA girl in red.\n", encoding="utf-8")
+    files = ["evaluate", "--hypotheses", str(tmp_path / "hyp.en"), "--ref", str(tmp_path / "ref.en"), "--lowercase"]
+    assert main([*files, "--bootstrap", "20"]) == 0
+    text = capsys.readouterr().out.splitlines()
+    assert main([*files, "--bootstrap", "20", "--format", "json"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 1  # one JSON object
+    record = json.loads(out[0])
+    names = [score["name"] for score in record["scores"]]
+    assert record["sentences"] == 3 and names == ["BLEU", "chrF", "TER", "BLEU (lowercase)"]
+    for line, score in zip(text, record["scores"], strict=True):  # the same numbers as the text lines
+        interval = f" ± {score['ci95']:.2f} (95% bootstrap)" if score["ci95"] is not None else ""
+        assert line == f"{score['name']} = {score['score']:.2f}{interval}  ({score['signature']})"
+    assert record["scores"][0]["ci95"] is not None and record["scores"][1]["ci95"] is None  # BLEU's interval only
+
+
 def test_evaluate_refuses_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "two.txt").write_text("a\nb\n", encoding="utf-8")
     (tmp_path / "three.txt").write_text("a\nb\nc\n", encoding="utf-8")

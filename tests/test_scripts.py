@@ -193,18 +193,23 @@ def test_profile_train_reports_bucket_shares(tmp_path: Path) -> None:
     assert len(rates) == 2 and all(rate > 0 for rate in rates)
 
 
+@pytest.mark.parametrize("format", ["json", "text"])  # text: the scores files of runs from before --format json
 def test_lectures_table_reads_a_run_and_its_scores(
-    trained_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    trained_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], format: str
 ) -> None:
     from seq2seq.cli import main
 
     run = tmp_path / "tiny"
     run.mkdir()
     (run / "metrics.jsonl").write_text((trained_run / "metrics.jsonl").read_text())
-    assert main(["evaluate", "-c", str(trained_run / "checkpoint_best.pt"), "--threads", "1"]) == 0
+    checkpoint = str(trained_run / "checkpoint_best.pt")
+    assert main(["evaluate", "-c", checkpoint, "--threads", "1", "--format", format]) == 0
     scores = capsys.readouterr().out
     (run / "test_scores.txt").write_text(scores)
-    bleu, chrf = (line.split()[2] for line in scores.splitlines()[:2])
+    if format == "json":
+        bleu, chrf = (str(s["score"]) for s in json.loads(scores)["scores"][:2])
+    else:
+        bleu, chrf = (line.split()[2] for line in scores.splitlines()[:2])
 
     proc = run_script("lectures_table.py", str(run), "--decode-seconds", "tiny=20", cwd=tmp_path)
     header, _, row = proc.stdout.splitlines()

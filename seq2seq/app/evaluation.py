@@ -64,6 +64,14 @@ class Evaluation:
         """The scores, one line each, in the order `seq2seq evaluate` prints them."""
         return [str(score) for score in self.report.scores()]
 
+    def record(self) -> dict[str, object]:
+        """The scores as `seq2seq evaluate --format json` prints them, for programs: each score's name, value,
+        95% interval half-width (null without --bootstrap) and sacreBLEU signature, and the number of lines."""
+        scores = [
+            {"name": s.name, "score": s.score, "ci95": s.ci95, "signature": s.signature} for s in self.report.scores()
+        ]
+        return {"scores": scores, "sentences": len(self.hypotheses)}
+
 
 def evaluate(options: EvaluateOptions, model: ModelOptions | None = None) -> Evaluation:
     """Decode the test set with `model`, or read `options.hypotheses`, and score the translations."""
