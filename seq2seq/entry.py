@@ -2,31 +2,36 @@
 
 Importing the CLI loads numpy, SentencePiece and YAML (a few hundred milliseconds);
 a Ctrl-C then must end like one at any other time, with `seq2seq: interrupted` and
-exit code 130, not a traceback. So this module imports only the standard library
-(and `seq2seq.errors`, `seq2seq.interrupt`) before it, and turns SIGINT and SIGTERM
-into requests the command honours at its safe points (`seq2seq.interrupt`) for
-its whole run: one that arrives after the last safe point still ends the command
-with 130 or 143, never 0. It also makes closed standard streams safe: a
+exit code 130, not a traceback. So this module imports nothing but `io`, `os` and
+`sys` (loaded with the interpreter) before `main` runs, and `main` catches a Ctrl-C
+from its first line: while it imports `seq2seq.interrupt`, before the handlers exist.
+Then it turns SIGINT and SIGTERM into requests the command honours at its safe
+points (`seq2seq.interrupt`) for its whole run: one that arrives after the last safe
+point still ends the command with 130 or 143, never 0, and one the command has
+reported is not reported twice. It also makes closed standard streams safe: a
 file opened later must never land on descriptor 1 and receive the translations,
 and writing to a closed stdout is a one-line error, not an AttributeError.
 """
 
 from __future__ import annotations
 
-import contextlib
 import io
-import logging
 import os
 import sys
-from collections.abc import Sequence
-from typing import NoReturn
 
-from seq2seq import interrupt
-from seq2seq.errors import UserError
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # for annotations only: a Ctrl-C during an import here would be a traceback
+    from collections.abc import Sequence
+    from typing import NoReturn
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    code = _run(argv)
+    try:
+        code = _run(argv)
+    except KeyboardInterrupt:  # before the handlers were installed, or after they were restored
+        if sys.stderr is not None:  # None: started with stderr closed; print would write to stdout
+            print("seq2seq: interrupted", file=sys.stderr)
+        return 130
     distributed = sys.modules.get("seq2seq.training.distributed")
     if distributed is not None and distributed.joined():
         _exit_now(code)
@@ -34,6 +39,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(argv: Sequence[str] | None) -> int:
+    from seq2seq import interrupt
+
     try:
         with interrupt.Interrupts() as interrupts:
             _guard_standard_streams()
@@ -41,7 +48,8 @@ def _run(argv: Sequence[str] | None) -> int:
 
             code = run(argv)
             _flush_stdout()
-            interrupts.check()
+            if code != interrupts.exit_code:  # else the command said so itself: one line
+                interrupts.check()
             return code
     except KeyboardInterrupt as e:
         return interrupt.report(e)
@@ -56,6 +64,9 @@ def _exit_now(code: int) -> NoReturn:
     after a run that finished and saved. DDP keeps the group alive past `destroy_process_group`, so its
     threads outlive the command. By now every file is written and closed: flush what is buffered and leave.
     """
+    import contextlib
+    import logging
+
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):  # a reader gone, a stream closed
@@ -67,6 +78,8 @@ class ClosedStdout(io.TextIOBase):
     """What stdout is when the command was started with it closed (`>&-`): writing fails in one line."""
 
     def write(self, text: str, /) -> int:
+        from seq2seq.errors import UserError
+
         raise UserError("cannot write the output: stdout is closed (redirect it, or give --output FILE)")
 
 

@@ -15,6 +15,12 @@ that made the call: a callback that runs during the wait (the garbage
 collector's, a finalizer) never sees the exception, and the recorded signal
 stops the command at its next safe point instead. A signal is never lost.
 
+Only the thread that installed the handlers (the main one) ever raises
+`Interrupted`. Worker processes start with both signals blocked
+(`starting_workers`) and then ignore SIGINT (`worker_signals`): a Ctrl-C reaches
+every process of the terminal's group, and the parent, which hears it too, ends
+its workers; it is never a KeyboardInterrupt inside a worker's imports.
+
 This module imports only the standard library: the command installs it before
 its heavy imports.
 """
@@ -24,12 +30,16 @@ from __future__ import annotations
 import contextlib
 import signal
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType, TracebackType
 from typing import Any
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+POLL = 0.1  # seconds between safe points while waiting for another process
 
 
 class Interrupted(KeyboardInterrupt):
@@ -53,6 +63,9 @@ class Interrupts:
     first raises at once, for a user who does not want to wait for the next safe
     point; signals within the grace period are the same request (Ctrl-C reaches
     every process of the terminal's group, and torchrun forwards it again).
+
+    Entered inside another (a trainer's), it starts with the signal the
+    outer one has recorded, and hands its own out when it exits: nesting never loses one.
     """
 
     def __init__(self, grace: float = 2.0, library_checks: bool = True) -> None:
@@ -66,6 +79,7 @@ class Interrupts:
         self._first = 0.0
         self._previous: dict[int, Handler] = {}
         self._outer: Interrupts | None = None
+        self.thread = 0  # the thread that entered: the one whose safe points raise
 
     def __enter__(self) -> Interrupts:
         global _active
@@ -73,6 +87,10 @@ class Interrupts:
             if signal.getsignal(sig) is not signal.SIG_IGN:
                 self._previous[sig] = signal.signal(sig, self._handle)
         self._outer, _active = _active, self
+        self.thread = threading.get_ident()
+        outer = self._outer
+        if outer is not None and outer.received is not None and self.received is None:
+            self.received, self._first = outer.received, outer._first
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -81,6 +99,8 @@ class Interrupts:
             signal.signal(sig, handler)
         self._previous.clear()
         _active = self._outer
+        if self._outer is not None and self._outer.received is None and self.received is not None:
+            self._outer.received, self._outer._first = self.received, self._first
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received is None:
@@ -130,16 +150,45 @@ _active: Interrupts | None = None  # the innermost entered Interrupts; signal ha
 
 
 def check() -> None:
-    """A safe point for library code: raises `Interrupted` if the running command received a signal."""
-    if _active is not None and _active.library_checks:
+    """A safe point for library code: raises `Interrupted` if the running command received a signal (in the
+    thread that runs the command; never in another)."""
+    if _active is not None and _active.library_checks and _active.thread == threading.get_ident():
         _active.check()
 
 
 def at_once() -> contextlib.AbstractContextManager[None]:
     """`Interrupts.at_once` of the running command; nothing when there is none (a library caller)."""
-    if _active is not None and _active.library_checks:
+    if _active is not None and _active.library_checks and _active.thread == threading.get_ident():
         return _active.at_once()
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def starting_workers() -> Iterator[None]:
+    """Worker processes (multiprocessing's) started inside begin with SIGINT and SIGTERM blocked: a Ctrl-C
+    meant for this process reaches the whole group, and must not raise KeyboardInterrupt inside a worker's
+    imports. Each worker lets them in with `worker_signals()`. This thread holds them back meanwhile and
+    takes them at the end: none is lost."""
+    if not hasattr(signal, "pthread_sigmask"):  # not on Windows
+        yield
+        return
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()  # starting, it unblocks both signals in this thread: start it first
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def worker_signals() -> None:
+    """In a worker process started under `starting_workers`: SIGINT ignored (the parent hears a Ctrl-C to the
+    group too, and ends its workers), SIGTERM ending it as by default (how the parent ends it), both let in."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
 
 
 def report(e: KeyboardInterrupt, detail: str = "") -> int:

@@ -6,6 +6,12 @@ names the framework writes there; anything else is refused in one line, so a
 mistyped path never costs the user a file. Temporaries are built beside their
 target as `{name}.tmp{pid}` holding a marker file, and only such directories,
 whose process is gone, are ever removed as abandoned.
+
+The new content is built in the temporary's `new/`; the swap moves the target
+into the temporary's `old/` and then `new/` into its place, two renames, so a
+kill at any moment leaves a whole directory: the target, or (between the two
+renames) the finished `new/`, which the next `remove_abandoned` puts in place.
+The marker is removed last, so a temporary is never left unmarked.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from pathlib import Path
 from seq2seq.errors import UserError
 
 TEMPORARY_MARKER = ".seq2seq-temporary"  # written first into every temporary directory the framework builds
+NEW, OLD = "new", "old"  # in a temporary: the replacement being built; the directory it replaced
 
 
 def sha256_file(path: Path, block: int = 1 << 20) -> str:
@@ -57,41 +64,67 @@ def check_replaceable(directory: Path, marker: str, ours: re.Pattern[str], what:
 
 
 def replace_directory(directory: Path, built: Path) -> None:
-    """Put the finished temporary `built` in place of `directory`, which `check_replaceable` has just accepted
-    (call it right before: a user may have put a file there while the replacement was built)."""
+    """Put `built` (the `new/` of a temporary from `make_temporary`, finished) in place of `directory`, which
+    `check_replaceable` has just accepted (call it right before: a user may have put a file there while the
+    replacement was built). The old directory goes into the temporary, removed with it."""
     if directory.exists():
-        for path in directory.iterdir():
-            path.unlink()
-        directory.rmdir()
-    (built / TEMPORARY_MARKER).unlink()
+        directory.rename(built.parent / OLD)
     built.rename(directory)
 
 
 def make_temporary(target: Path) -> Path:
-    """A new temporary directory beside `target`, marked as the framework's, after removing abandoned ones."""
+    """A new directory to build the replacement of `target` in: `new/` of a temporary beside it, marked as the
+    framework's, after removing abandoned ones."""
     remove_abandoned(target)
     tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
     tmp.mkdir(parents=True)
     (tmp / TEMPORARY_MARKER).write_bytes(b"")
-    return tmp
+    (tmp / NEW).mkdir()
+    return tmp / NEW
 
 
-def remove_temporary(tmp: Path) -> None:
-    """Remove a temporary directory this process made (if still there), checking its marker first."""
-    if tmp.is_dir() and not tmp.is_symlink() and (tmp / TEMPORARY_MARKER).exists():
-        shutil.rmtree(tmp, ignore_errors=True)
+def remove_temporary(built: Path) -> None:
+    """Remove the temporary of `built` (from `make_temporary`; if still there), checking its marker first."""
+    _remove_marked(built.parent)
 
 
 def remove_abandoned(target: Path) -> list[Path]:
-    """Remove the marked temporaries of `target` whose process is gone (killed midway); returns them."""
+    """Remove the marked temporaries of `target` whose process is gone (killed midway), and empty ones (killed
+    before the marker); one killed between the two renames of `replace_directory` finishes its swap first.
+    Returns the temporaries removed."""
     removed = []
     for tmp in target.parent.glob(f"{glob_escape(target.name)}.tmp*"):
         pid = tmp.name.rpartition(".tmp")[2]
-        if pid.isdigit() and (int(pid) == os.getpid() or not _alive(int(pid))):
-            if tmp.is_dir() and not tmp.is_symlink() and (tmp / TEMPORARY_MARKER).exists():
-                shutil.rmtree(tmp, ignore_errors=True)
-                removed.append(tmp)
+        if not (pid.isdigit() and (int(pid) == os.getpid() or not _alive(int(pid)))):
+            continue
+        if not tmp.is_dir() or tmp.is_symlink():
+            continue
+        if not any(tmp.iterdir()):
+            tmp.rmdir()
+        elif (tmp / TEMPORARY_MARKER).exists():
+            if (tmp / OLD).is_dir() and (tmp / NEW).is_dir() and not os.path.lexists(target):
+                (tmp / NEW).rename(target)  # the old one was moved aside only once the new one was finished
+            _remove_marked(tmp)
+        else:
+            continue
+        removed.append(tmp)
     return removed
+
+
+def _remove_marked(tmp: Path) -> None:
+    """Remove a marked temporary directory, its marker last: one killed midway is still recognised."""
+    if not tmp.is_dir() or tmp.is_symlink() or not (tmp / TEMPORARY_MARKER).exists():
+        return
+    for path in tmp.iterdir():
+        if path.name == TEMPORARY_MARKER:
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    if [path.name for path in tmp.iterdir()] == [TEMPORARY_MARKER]:  # else something could not be removed
+        (tmp / TEMPORARY_MARKER).unlink()
+        tmp.rmdir()
 
 
 def glob_escape(name: str) -> str:

@@ -23,6 +23,14 @@ empty or missing one) is ever replaced: a `data.prepared_dir` that names the
 corpus, a run directory or any other tree is refused (seq2seq.owned).
 Memory stays constant in the corpus size, except for the SentencePiece sample
 (`data.spm_sample` sentences at most, drawn by reservoir sampling).
+
+Ctrl-C or SIGTERM stops a preparation in every phase within a fraction of a
+second, and the temporary directory goes with it: the streaming pass and the
+encoding check between lines and chunks; SentencePiece, which holds its thread
+until its training ends, trains a large sample in a child process that the
+signal ends; encoding workers start deaf to signals and ignore a Ctrl-C (the
+whole group gets it, and this process ends them). A preparation killed outright
+leaves a temporary that the next `prepare` or `train` removes (seq2seq.owned).
 """
 
 from __future__ import annotations
@@ -31,27 +39,36 @@ import hashlib
 import json
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import random
 import re
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 import numpy as np
 
 from seq2seq import interrupt
 from seq2seq.config import DataConfig
 from seq2seq.data import EMPTY, TOO_LONG_LINE, LongLine, dropped_as, find_file, no_pairs, split_files, split_pairs
-from seq2seq.errors import ConfigError, DataError
-from seq2seq.owned import check_replaceable, is_regular_file, make_temporary, remove_temporary, replace_directory
+from seq2seq.errors import ConfigError, DataError, UserError
+from seq2seq.owned import (
+    check_replaceable,
+    is_regular_file,
+    make_temporary,
+    remove_abandoned,
+    remove_temporary,
+    replace_directory,
+)
 from seq2seq.tokenizer import Tokenizer, read_spm_models, read_tokenizer, tag_line, tokenizer_files, train_tokenizer
 from seq2seq.vocab import EOS
 
 log = logging.getLogger("seq2seq.prepare")
+R = TypeVar("R")
 
 FORMAT = 2  # 2: shard sizes and largest ids recorded
 MANIFEST = "manifest.json"
@@ -64,6 +81,8 @@ SHARD_FILES = (
 SHARD_LINES = 1_000_000
 CHUNK_LINES = 20_000  # lines one worker encodes at a time
 POOL_MIN_LINES = 100_000  # smaller corpora are encoded in this process: starting workers would cost more
+SPM_PROCESS_MIN = 5_000  # sampled pairs from which SentencePiece trains in a child process (below: a second or less)
+CHECK_LINES = 1024  # the streaming pass checks for a signal every this many lines
 SETTINGS = ("train", "src_lang", "tgt_lang", "vocab_size", "shared_vocab", "spm_model_type", "spm_sample", "max_len")
 # Settings added later, with the value a manifest that lacks them was prepared with. The given
 # SentencePiece models' paths are here, their content is the tokenizer's hash.
@@ -192,8 +211,10 @@ def settings(d: DataConfig) -> dict[str, Any]:
 
 def ensure_prepared(d: DataConfig, directory: Path, tokenizer: Tokenizer | None = None, workers: int = 0) -> None:
     """Prepare `directory` unless it already holds this data (with this tokenizer, when one is given);
-    data it reuses is checked against its manifest first."""
+    data it reuses is checked against its manifest first. Temporaries of an earlier preparation that was
+    killed are removed first (one killed while swapping its result in finishes the swap)."""
     directory = _check_location(d, directory)
+    remove_abandoned(directory)
     tokenizer = tokenizer or given_tokenizer(d)
     reason = stale_reason(directory, d, tokenizer)
     if reason:
@@ -232,7 +253,7 @@ def prepare(
     check_replaceable(directory, MANIFEST, OWN_FILES, "data.prepared_dir", DataError)
     tmp = make_temporary(directory)
     try:
-        manifest = _build(d, tmp, tokenizer, workers, shard_lines, pool_min_lines)
+        manifest = _build(d, directory, tmp, tokenizer, workers, shard_lines, pool_min_lines)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
         check_replaceable(directory, MANIFEST, OWN_FILES, "data.prepared_dir", DataError)  # again: still ours?
         replace_directory(directory, tmp)
@@ -245,15 +266,22 @@ def prepare(
 
 
 def _build(
-    d: DataConfig, out: Path, tokenizer: Tokenizer | None, workers: int, shard_lines: int, pool_min_lines: int
+    d: DataConfig,
+    directory: Path,
+    out: Path,
+    tokenizer: Tokenizer | None,
+    workers: int,
+    shard_lines: int,
+    pool_min_lines: int,
 ) -> dict[str, Any]:
-    """Text shards, the tokenizer (unless given) and token shards in `out`; returns the manifest."""
+    """Text shards, the tokenizer (unless given) and token shards in `out`, to replace `directory`; returns
+    the manifest."""
     files = training_files(d)
     sources = [describe_source(path) for pair in files for path in pair]
     where = ", ".join(f"{d.dir}/{name}" for name, _ in d.train_sets())
     split = split_text(d, files, out, shard_lines, d.spm_sample // (2 if d.shared_vocab else 1), source_tags(d))
     read = split.lines + split.too_long
-    log.info("preparing %d lines of %s into %s", read, where, out.with_name(out.name.rpartition(".tmp")[0]))
+    log.info("preparing %d lines of %s into %s", read, where, directory)
     tokenizer = tokenizer or given_tokenizer(d) or _train(d, files, split.sample)
     tokenizer.save(out)
     pool = max(1, workers or os.cpu_count() or 1) if split.lines >= pool_min_lines else 1
@@ -296,7 +324,12 @@ def _train(d: DataConfig, files: list[tuple[Path, ...]], sample: tuple[list[str]
     log.info("training a %s SentencePiece vocabulary of %d on %d sampled pairs", kind, d.vocab_size,
              len(sample[0]))  # fmt: skip
     source = " and ".join(str(path) for group in files for path in group)
-    tokenizer = train_tokenizer(*sample, d.vocab_size, d.shared_vocab, kind, source, d.target_tags())
+    args = (*sample, d.vocab_size, d.shared_vocab, kind, source, d.target_tags())
+    if len(sample[0]) < SPM_PROCESS_MIN:
+        tokenizer = train_tokenizer(*args)
+    else:  # minutes in C++, deaf to signals: in a process that a signal ends at once
+        with Workers(1, "SentencePiece's training") as child:
+            tokenizer = Tokenizer.from_state(next(child.map(_trained_state, [args])))
     built = min(tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
     if built < VOCAB_SHORTFALL * d.vocab_size:
         log.warning(
@@ -305,6 +338,11 @@ def _train(d: DataConfig, files: list[tuple[Path, ...]], sample: tuple[list[str]
             built,
         )
     return tokenizer
+
+
+def _trained_state(args: tuple[Any, ...]) -> dict[str, bytes | None]:
+    """train_tokenizer(*args), as the state a parent rebuilds it from."""
+    return train_tokenizer(*args).state()
 
 
 def id_dtype(tokenizer: Tokenizer) -> np.dtype[Any]:
@@ -343,6 +381,8 @@ def split_text(
         with_text = any_line = False
         long_before = split.too_long
         for s, t in _tagged(split_pairs(d, group, dropped), tags[number]):
+            if split.lines % CHECK_LINES == 0:
+                interrupt.check()  # a safe point: the temporary directory is removed
             writer = writer or _TextShard(out, len(split.shard_lines))
             writer.add(s, t)
             with_text = with_text or bool(s.strip() and t.strip())
@@ -401,10 +441,8 @@ _worker_tokenizer: Tokenizer | None = None
 
 
 def _init_worker(state: dict[str, bytes | None]) -> None:
-    """Set up an encoding process; a Ctrl-C to the terminal's group is for the parent, which ends the pool."""
+    """Set up encoding (in a worker process, or in this one)."""
     global _worker_tokenizer
-    if multiprocessing.parent_process() is not None:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
     _worker_tokenizer = Tokenizer.from_state(state)
 
 
@@ -449,10 +487,115 @@ def encode_shards(
     ]
     if workers > 1:
         log.info("encoding %d lines in %d worker processes", sum(shard_lines), workers)
-        with multiprocessing.get_context("spawn").Pool(workers, _init_worker, (tokenizer.state(),)) as pool:
-            return _write_shards(directory, shard_lines, tasks, pool.imap(encode_chunk, tasks))
+        with Workers(workers, "an encoding process", _init_worker, (tokenizer.state(),)) as pool:
+            return _write_shards(directory, shard_lines, tasks, pool.map(encode_chunk, tasks))
     _init_worker(tokenizer.state())
     return _write_shards(directory, shard_lines, tasks, map(encode_chunk, tasks))
+
+
+class Workers:
+    """Worker processes that run fn(task) for a parent that stays in charge of signals.
+
+    Each worker has a pipe of its own, so no lock is shared between processes: one killed from outside
+    (SIGTERM to the group, the out-of-memory killer) is one line here, never a pool that waits forever for
+    a lock the dead worker held (multiprocessing.Pool does). Workers start deaf to signals and ignore SIGINT
+    (`seq2seq.interrupt.worker_signals`): a Ctrl-C reaches the whole group, and this process, waiting for
+    results at safe points, ends them when it stops. Leaving the `with` block ends them at once.
+    """
+
+    def __init__(
+        self, n: int, what: str, initializer: Callable[..., Any] | None = None, initargs: tuple[Any, ...] = ()
+    ) -> None:
+        self.what = what  # names a worker in errors: "an encoding process"
+        context = multiprocessing.get_context("spawn")
+        self.processes: list[Any] = []
+        self.pipes: list[multiprocessing.connection.Connection] = []
+        with interrupt.starting_workers():
+            for _ in range(n):
+                mine, theirs = context.Pipe()
+                process = context.Process(target=_work, args=(theirs, initializer, initargs), daemon=True)
+                process.start()
+                theirs.close()
+                self.processes.append(process)
+                self.pipes.append(mine)
+
+    def __enter__(self) -> Workers:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        for pipe in self.pipes:
+            pipe.close()  # an idle worker reads the end of its pipe, and ends
+        for process in self.processes:
+            if kind is not None:
+                process.kill()  # a busy one would finish its task first, which no one waits for now
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+    def map(self, fn: Callable[[Any], R], tasks: list[Any]) -> Iterator[R]:
+        """fn(task) for each task, in order; waiting for them checks for a signal every POLL seconds."""
+        done: dict[int, R] = {}
+        idle, running = list(range(len(self.processes))), {}  # worker -> its task's index
+        given = 0
+        for wanted in range(len(tasks)):
+            while wanted not in done:
+                while idle and given < len(tasks):
+                    worker = idle.pop()
+                    try:
+                        self.pipes[worker].send((fn, tasks[given]))
+                    except OSError:  # it died while idle
+                        raise self._died(worker) from None
+                    running[worker], given = given, given + 1
+                ready = multiprocessing.connection.wait([self.pipes[w] for w in running], interrupt.POLL)
+                interrupt.check()  # before a worker that died: it may have died of the same signal
+                for worker in [w for w in running if self.pipes[w] in ready]:
+                    done[running.pop(worker)] = self._answer(worker)
+                    idle.append(worker)
+            yield done.pop(wanted)
+
+    def _answer(self, worker: int) -> Any:
+        try:
+            ok, value = self.pipes[worker].recv()
+        except (EOFError, OSError):  # it died
+            raise self._died(worker) from None
+        if not ok:
+            raise value
+        return value
+
+    def _died(self, worker: int) -> UserError:
+        process = self.processes[worker]
+        process.join()
+        code = process.exitcode or 0
+        try:
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        except ValueError:
+            how = f"killed by signal {-code}"
+        return UserError(f"{self.what} ended without finishing its work ({how}; out of memory?)")
+
+
+def _work(
+    pipe: multiprocessing.connection.Connection, initializer: Callable[..., Any] | None, args: tuple[Any, ...]
+) -> None:
+    """A worker of `Workers`: (fn, task) in, (True, fn(task)) or (False, the exception) out, until EOF."""
+    interrupt.worker_signals()
+    if initializer is not None:
+        initializer(*args)
+    while True:
+        try:
+            fn, task = pipe.recv()
+        except (EOFError, OSError):  # the parent is done, or gone
+            return
+        try:
+            answer = (True, fn(task))
+        except Exception as e:  # for the parent to raise
+            answer = (False, e)
+        try:
+            pipe.send(answer)
+        except OSError:  # the parent is gone
+            return
+        except Exception as e:  # an exception that does not pickle
+            pipe.send((False, RuntimeError(f"{answer[1]!r} (and it could not be sent: {e})")))
 
 
 def _write_shards(
