@@ -15,11 +15,12 @@ that made the call: a callback that runs during the wait (the garbage
 collector's, a finalizer) never sees the exception, and the recorded signal
 stops the command at its next safe point instead. A signal is never lost.
 
-Only the thread that installed the handlers (the main one) ever raises
-`Interrupted`. Worker processes start with both signals blocked
-(`starting_workers`) and then ignore SIGINT (`worker_signals`): a Ctrl-C reaches
-every process of the terminal's group, and the parent, which hears it too, ends
-its workers; it is never a KeyboardInterrupt inside a worker's imports.
+Only the thread that installed the handlers (the main one) ever raises `Interrupted`:
+a worker thread's library safe points stop instead when its owner sets the event
+it runs under (`cancellable`), with `Cancelled`. Worker processes start with both
+signals blocked (`starting_workers`) and then ignore SIGINT (`worker_signals`): a
+Ctrl-C reaches every process of the terminal's group, and the parent, which hears
+it too, ends its workers; it is never a KeyboardInterrupt inside a worker's imports.
 
 This module imports only the standard library: the command installs it before
 its heavy imports.
@@ -64,15 +65,19 @@ class Interrupts:
     point; signals within the grace period are the same request (Ctrl-C reaches
     every process of the terminal's group, and torchrun forwards it again).
 
-    Entered inside another (a trainer's), it starts with the signal the
+    Entered inside another (a trainer's, a server's), it starts with the signal the
     outer one has recorded, and hands its own out when it exits: nesting never loses one.
     """
 
-    def __init__(self, grace: float = 2.0, library_checks: bool = True) -> None:
+    def __init__(self, grace: float = 2.0, library_checks: bool = True, raise_repeated: bool = True) -> None:
         """library_checks: whether the module-level `check()` of library code (translation's batches,
         prepare's chunks) stops for these signals; a trainer that stops only between its updates
-        says False, so that a validation in progress runs to its end and the step is saved."""
+        says False, so that a validation in progress runs to its end and the step is saved.
+        raise_repeated: whether a signal after the grace period raises at once; False: it only sets
+        `repeated`, for a command that ends its own way (a server's drain)."""
         self.received: signal.Signals | None = None
+        self.repeated = False  # a signal came more than `grace` seconds after the first
+        self.raise_repeated = raise_repeated
         self.grace = grace
         self.library_checks = library_checks
         self.waiting: FrameType | None = None  # the frame blocked in an `at_once` call
@@ -107,7 +112,10 @@ class Interrupts:
             self.received, self._first = signal.Signals(signum), time.monotonic()
             if frame is not None and frame is self.waiting:
                 raise Interrupted(signum)
-        elif frame is self.waiting or time.monotonic() - self._first > self.grace:
+            return
+        repeated = time.monotonic() - self._first > self.grace
+        self.repeated = self.repeated or repeated
+        if frame is self.waiting or (repeated and self.raise_repeated):
             raise Interrupted(self.received)
 
     def check(self) -> None:
@@ -149,11 +157,27 @@ class _AtOnce:
 _active: Interrupts | None = None  # the innermost entered Interrupts; signal handlers are per process anyway
 
 
+class Cancelled(Exception):
+    """Raised at a library safe point of a worker thread whose owner set the event it runs under (`cancellable`)."""
+
+
+_worker = threading.local()  # .cancel: the event of `cancellable` in this thread
+
+
 def check() -> None:
     """A safe point for library code: raises `Interrupted` if the running command received a signal (in the
-    thread that runs the command; never in another)."""
+    thread that runs the command), `Cancelled` if this worker thread's work was cancelled."""
+    check_cancelled()
     if _active is not None and _active.library_checks and _active.thread == threading.get_ident():
         _active.check()
+
+
+def check_cancelled() -> None:
+    """A safe point inside a unit of work (a search step): raises `Cancelled` if this worker thread's work
+    was cancelled; a signal waits for the unit's end (`check`), where the output is whole."""
+    cancel: threading.Event | None = getattr(_worker, "cancel", None)
+    if cancel is not None and cancel.is_set():
+        raise Cancelled("cancelled by its owner")
 
 
 def at_once() -> contextlib.AbstractContextManager[None]:
@@ -161,6 +185,18 @@ def at_once() -> contextlib.AbstractContextManager[None]:
     if _active is not None and _active.library_checks and _active.thread == threading.get_ident():
         return _active.at_once()
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def cancellable(cancel: threading.Event) -> Iterator[None]:
+    """While inside, library safe points of this (worker) thread raise `Cancelled` once `cancel` is set:
+    how the thread's owner stops its work between batches, since signals reach only the main thread."""
+    previous = getattr(_worker, "cancel", None)
+    _worker.cancel = cancel
+    try:
+        yield
+    finally:
+        _worker.cancel = previous
 
 
 @contextlib.contextmanager

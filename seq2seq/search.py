@@ -56,6 +56,7 @@ from typing import Protocol, TypeVar
 import torch
 from torch import Tensor
 
+from seq2seq import interrupt
 from seq2seq.config import DecodeConfig
 from seq2seq.model.record import AttentionRecord
 from seq2seq.vocab import BOS, EOS, PAD, UNK
@@ -255,6 +256,7 @@ def sequential_search(
     step_scores = torch.zeros(B, 0, device=src.device)  # (N, step)
     results: list[list[Hypothesis]] = [[] for _ in range(B)]
     for step in itertools.count():  # ends: EOS is forced once step reaches max_len
+        interrupt.check_cancelled()  # a server stopping: its decoding thread stops here
         logits = model.decode_step(history[:, -1:], cache)  # (N, V)
         forced = forced_tokens(prefix, step, alive)
         logprobs = next_logprobs(logits, step, max_len[alive], history, cfg, forced)
@@ -396,6 +398,7 @@ def beam_search(
     step_scores = torch.zeros(B, 0, device=device)  # (N, step)
     finished = Finished(B, K, device)
     for step in itertools.count():  # ends: EOS is forced once step reaches max_len
+        interrupt.check_cancelled()
         logits = model.decode_step(history[:, -1:], cache)  # (N, V)
         forced = forced_tokens(prefix, step, sentence.repeat_interleave(scores.shape[1]))
         logprobs = next_logprobs(logits, step, max_len, history, cfg, forced)

@@ -20,7 +20,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,7 +106,7 @@ def checkpoint(trained_run: Path) -> Path:
 def server(checkpoint: Path) -> Iterator[Server]:
     running = Server(checkpoint, *LIMITS)
     yield running
-    assert running.stop() == 0, running.lines
+    assert running.stop() == 143, running.lines
 
 
 def test_answers_equal_translate(server: Server, checkpoint: Path, corpus: Path, tmp_path: Path) -> None:
@@ -234,22 +234,77 @@ def _health_while(server: Server, condition: Any, timeout: float = 60) -> dict[s
     raise AssertionError("condition not reached")
 
 
-def test_sigterm_finishes_the_request_in_flight_and_exits_0(checkpoint: Path) -> None:
-    running = Server(checkpoint)
+def _heavy_requests(pool: ThreadPoolExecutor, server: Server, beams: range) -> list[Future[tuple[int, Any]]]:
+    """One heavy request per beam size (settings that differ: a batch each), all admitted when this returns."""
+    heavy = [pool.submit(server.post, {"text": ["red cat dog"] * 64, "options": {**HEAVY, "beam_size": beam}})
+             for beam in beams]  # fmt: skip
+    _health_while(server, lambda h: h["in_flight"] == len(beams))
+    return heavy
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+def test_a_signal_finishes_the_requests_in_flight_then_exits_with_its_code(
+    checkpoint: Path, sig: signal.Signals
+) -> None:
+    """The drain: no new connections, each request admitted answered in full, then one line and 143 (130)."""
+    running = Server(checkpoint, "--shutdown-timeout", "600")
     try:
-        with ThreadPoolExecutor(1) as pool:
-            heavy = pool.submit(running.post, {"text": ["red cat dog"] * 64, "options": HEAVY})
-            _health_while(running, lambda h: h["in_flight"] == 1)
-            running.process.send_signal(signal.SIGTERM)
-            running.wait_for("SIGTERM: no new connections; finishing 1 request", 30)
+        with ThreadPoolExecutor(3) as pool:
+            heavy = _heavy_requests(pool, running, range(2, 5))
+            running.process.send_signal(sig)
+            running.wait_for(f"{sig.name}: no new connections; finishing 3 request", 30)
             _wait_until_refused(running.url)
-            status, body = heavy.result()
-        assert status == 200 and len(body["translations"]) == 64
-        assert all(t.strip() for t in body["translations"])
-        assert running.process.wait(timeout=60) == 0
-        assert running.lines[-1] == "stopped"
+            answers = [request.result() for request in heavy]
+        for status, body in answers:
+            assert status == 200 and len(body["translations"]) == 64
+            assert all(t.strip() for t in body["translations"])
+        assert running.process.wait(timeout=60) == 128 + sig
+        assert running.lines[-1] == f"seq2seq: stopped by {sig.name}; all requests answered"
+        assert not any("Traceback" in line for line in running.lines), running.lines
     finally:
         running.process.kill()
+
+
+def test_requests_unfinished_at_the_drain_limit_get_a_503_and_the_server_exits(checkpoint: Path) -> None:
+    """--shutdown-timeout 0: what is still waiting or decoding when SIGTERM arrives is answered 503 (its
+    decoding stops between two search steps), never a 500; then one line and 143."""
+    running = Server(checkpoint, "--shutdown-timeout", "0")
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            heavy = _heavy_requests(pool, running, range(2, 5))
+            running.process.send_signal(signal.SIGTERM)
+            answers = [request.result() for request in heavy]
+        assert running.process.wait(timeout=60) == 143
+    finally:
+        running.process.kill()
+    statuses = [status for status, _ in answers]
+    assert set(statuses) <= {200, 503} and 503 in statuses, answers
+    assert all("the server is stopping" in body["error"] for status, body in answers if status == 503), answers
+    refused = statuses.count(503)
+    assert running.lines[-1] == (
+        f"seq2seq: stopped by SIGTERM; {refused} request(s) unfinished at --shutdown-timeout (0 s) answered 503"
+    )
+    assert not any("Traceback" in line for line in running.lines), running.lines
+
+
+def test_a_second_signal_ends_the_drain_at_once(checkpoint: Path) -> None:
+    """Past the grace period a second Ctrl-C answers the requests still in flight 503 now, however long the
+    drain limit: one line and 130, no traceback."""
+    running = Server(checkpoint, "--shutdown-timeout", "600")
+    try:
+        with ThreadPoolExecutor(6) as pool:
+            heavy = _heavy_requests(pool, running, range(2, 8))
+            running.process.send_signal(signal.SIGINT)
+            running.wait_for("SIGINT: no new connections", 30)
+            time.sleep(2.5)  # more than the grace period, in which a second signal is the same request
+            running.process.send_signal(signal.SIGINT)
+            answers = [request.result() for request in heavy]
+        assert running.process.wait(timeout=60) == 130
+    finally:
+        running.process.kill()
+    assert {status for status, _ in answers} <= {200, 503}, answers
+    assert running.lines[-1].startswith("seq2seq: stopped by SIGINT; "), running.lines
+    assert not any("Traceback" in line for line in running.lines), running.lines
 
 
 def _wait_until_refused(url: str, timeout: float = 30) -> None:

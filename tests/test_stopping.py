@@ -311,3 +311,13 @@ def test_a_killed_preparation_leaves_no_temporary(
     assert not list(run.glob("prepared.tmp*")) and (run / "prepared").is_dir()
     max_len = json.loads((run / "prepared" / MANIFEST).read_text())["settings"]["max_len"]
     assert max_len == (64 if kill == "while building" else 20)
+
+
+# `seq2seq serve`: a signal while it starts (its engine, the model) ends the command before anything listens.
+
+
+def test_a_signal_while_the_server_starts_stops_it_before_it_listens(trained_run: Path, tmp_path: Path) -> None:
+    argv = ["serve", "-c", str(trained_run / "checkpoint_best.pt"), "--port", "0", "--threads", "1"]
+    proc = drive(tmp_path, argv, fire_on_import="seq2seq.serve.engine", timeout=120)
+    lines = assert_stopped(proc, signal.SIGINT)
+    assert not any("serving on" in line for line in lines), lines

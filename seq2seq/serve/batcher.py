@@ -6,6 +6,10 @@ requests fill that budget or the oldest has waited `max_wait` seconds. One
 worker thread decodes (torch already spreads each batch over the cores), so
 the event loop stays free to accept requests and answer /health. Requests that
 ask for other settings wait for a batch of their own: settings are never mixed.
+
+When the server stops, `refuse` answers what is still waiting or being decoded
+with Busy (a 503) and cancels the decoding, which stops at its next safe point
+(between the translator's batches): a drain ends on time.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -20,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
+from seq2seq import interrupt
 from seq2seq.config import DecodeConfig
 from seq2seq.serve.engine import Engine
 from seq2seq.translate import Translation
@@ -51,7 +57,11 @@ class Batcher:
         self.max_queue = max_queue
         self.in_flight = 0  # requests submitted and not yet answered
         self.batches = 0  # engine calls so far
+        self.refused = 0  # requests answered Busy by `refuse`
         self._waiting: deque[_Job] = deque()
+        self._decoding: list[_Job] = []  # the batch taken from the queue, until all of it is answered
+        self._closed = ""  # why every request is refused now ("": none is)
+        self._cancel = threading.Event()  # set: the decoding stops at its next safe point
         self._arrived = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode")
         self._task: asyncio.Task[None] | None = None
@@ -63,12 +73,30 @@ class Batcher:
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="batcher")
 
+    def refuse(self, reason: str) -> None:
+        """Answer the requests waiting and those being decoded with Busy(reason) now, and every later one on
+        arrival; the decoding stops at its next safe point."""
+        self._closed = reason
+        self._cancel.set()
+        for job in (*self._waiting, *self._decoding):
+            if not job.result.done():
+                job.result.set_exception(Busy(reason))
+                self.refused += 1
+        self._waiting.clear()
+
+    def cancel_decoding(self) -> None:
+        """Stop the decoding at its next safe point (from any thread, the event loop gone or not)."""
+        self._cancel.set()
+
     async def stop(self) -> None:
-        """Stop taking batches; a batch being decoded finishes first (its thread cannot be interrupted)."""
+        """Stop taking batches; a batch being decoded stops at its next safe point (its thread cannot be
+        interrupted inside a search step). Requests still unanswered get Busy."""
+        self._cancel.set()
+        unanswered = [*self._waiting, *self._decoding]
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        for job in self._waiting:
+        for job in (*unanswered, *self._waiting):
             if not job.result.done():
                 job.result.set_exception(Busy("the server is shutting down"))
         self._waiting.clear()
@@ -84,6 +112,8 @@ class Batcher:
     ) -> list[Translation]:
         """Queue `lines` (`tokens` source subwords in all; target `prefixes` and target languages, one per
         line, if any) and wait for their translations, in order."""
+        if self._closed:
+            raise Busy(self._closed)
         if len(self._waiting) >= self.max_queue:
             raise Busy(f"{len(self._waiting)} requests are waiting; retry later")
         loop = asyncio.get_running_loop()
@@ -104,9 +134,12 @@ class Batcher:
     async def _run(self) -> None:
         while True:
             await self._gather()
-            batch = self._take()
-            if batch:
-                await self._decode(batch)
+            batch = self._decoding = self._take()
+            try:
+                if batch:
+                    await self._decode(batch)
+            finally:
+                self._decoding = []
 
     async def _gather(self) -> None:
         """Wait until requests fill the token budget, or the oldest has waited max_wait seconds."""
@@ -156,11 +189,13 @@ class Batcher:
             langs = [lang for job in batch for lang in job.tgt_langs or [""] * len(job.lines)]
             call = functools.partial(call, tgt_langs=langs)
         try:
-            results = await loop.run_in_executor(self._executor, call)
+            results = await loop.run_in_executor(self._executor, _cancellable, self._cancel, call)
             log.debug(
                 "batch %d: %d requests, %d lines, %.1f ms",
                 *(self.batches, len(batch), len(lines), (time.perf_counter() - started) * 1000),
             )
+        except interrupt.Cancelled:  # by `refuse` or `stop`, which answer the requests
+            return
         except Exception as e:  # reported to the caller, who answers it (and logs an internal error)
             if len(batch) == 1:
                 if not batch[0].result.done():
@@ -176,3 +211,9 @@ class Batcher:
             if not job.result.done():
                 job.result.set_result(results[start : start + len(job.lines)])
             start += len(job.lines)
+
+
+def _cancellable(cancel: threading.Event, call: Callable[[], R]) -> R:
+    """call() in the decoding thread, its safe points raising `interrupt.Cancelled` once `cancel` is set."""
+    with interrupt.cancellable(cancel):
+        return call()

@@ -2,9 +2,14 @@
 
 The port is bound first and the model loaded second, both before anything
 listens, so that a busy port or an unusable checkpoint ends with one line and
-a non-zero exit. SIGTERM or SIGINT closes the listening socket, lets the
-requests in flight finish (for at most --shutdown-timeout seconds), and then
-the command exits 0: stopping a server is its normal end.
+a non-zero exit; a signal while the model loads ends it there, as any
+command's. SIGTERM or SIGINT closes the listening socket and lets the requests
+in flight finish; those not done after --shutdown-timeout seconds, or at a
+second signal, are answered 503 and their decoding stops at its next search
+step. Then the command says so in one line and exits 143 or 130, like every
+command a signal stops. The signals stay with the command's
+`seq2seq.interrupt.Interrupts` (uvicorn's own handlers would raise them again
+after the drain), which the server reads between its ticks.
 """
 
 from __future__ import annotations
@@ -14,13 +19,14 @@ import errno
 import logging
 import signal
 import socket
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from types import FrameType
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from seq2seq import interrupt
 from seq2seq.errors import UserError
 from seq2seq.serve.app import create_app
 from seq2seq.serve.batcher import Batcher
@@ -28,25 +34,39 @@ from seq2seq.serve.engine import Engine
 from seq2seq.serve.options import ServeOptions
 
 log = logging.getLogger("seq2seq.serve")
+TICK = 0.1  # seconds between looks for a second signal while draining
+BACKSTOP = 1  # second after the drain limit at which uvicorn cancels what is left (nothing, normally)
 
 
 def serve(load_engines: Callable[[], Mapping[str, Engine]], options: ServeOptions) -> int:
-    """Serve until SIGTERM/SIGINT; `load_engines` (the models by name) runs after the port is bound,
-    before it listens."""
+    """Serve until SIGTERM/SIGINT, then drain; `load_engines` (the models by name) runs after the port is
+    bound, before it listens. Returns the exit code: the signal's (130, 143)."""
     with bind(options.host, options.port) as sock:
         batchers = {name: _batcher(engine, options) for name, engine in load_engines().items()}
+        interrupt.check()  # a signal while the models loaded: stop before listening
         config = uvicorn.Config(
             create_app(batchers, options),
             log_config=None,
             access_log=False,
-            timeout_graceful_shutdown=options.shutdown_timeout,
+            timeout_graceful_shutdown=options.shutdown_timeout + BACKSTOP,
             http=_with_head_timeout(options.read_timeout),
         )
-        server = _Server(config, list(batchers.values()))
-        with _signals_noted():
-            server.run(sockets=[sock])
-    log.info("stopped")
-    return 0
+        # The decoding thread's safe points must not raise the signal (the drain lets its batch finish), and
+        # neither may a second signal where it lands: it ends the drain at once, through the server.
+        with interrupt.Interrupts(library_checks=False, raise_repeated=False) as interrupts:
+            server = _Server(config, list(batchers.values()), interrupts, options.shutdown_timeout)
+            try:
+                server.run(sockets=[sock])
+            finally:  # whatever ended the loop, the decoding thread must not hold the exit
+                for batcher in batchers.values():
+                    batcher.cancel_decoding()
+    received = interrupts.received
+    if received is None:  # uvicorn stopped on its own
+        return 0
+    refused = sum(batcher.refused for batcher in batchers.values())
+    done = f"{refused} request(s) unfinished at {server.cut_by} answered 503" if refused else "all requests answered"
+    print(f"seq2seq: stopped by {received.name}; {done}", file=sys.stderr)
+    return 128 + received
 
 
 def _batcher(engine: Engine, options: ServeOptions) -> Batcher:
@@ -69,27 +89,6 @@ def bind(host: str, port: int) -> socket.socket:
         hint = "; another server uses it: stop it or choose another --port" if e.errno == errno.EADDRINUSE else ""
         raise UserError(f"cannot listen on {host}:{port}: {e.strerror}{hint}") from None
     return sock
-
-
-@contextmanager
-def _signals_noted() -> Iterator[None]:
-    """SIGTERM/SIGINT only noted, outside uvicorn's own handlers.
-
-    uvicorn handles both while it serves, then raises them again once it has
-    stopped, which would end the process with the signal's status after a
-    clean shutdown. Here they land in a handler that keeps the exit normal.
-    """
-    signals = (signal.SIGINT, signal.SIGTERM)
-    previous = {sig: signal.signal(sig, _note) for sig in signals}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def _note(sig: int, frame: FrameType | None) -> None:
-    log.debug("%s received after the server stopped", signal.Signals(sig).name)
 
 
 def _with_head_timeout(seconds: float) -> type[H11Protocol]:
@@ -132,11 +131,17 @@ def _with_head_timeout(seconds: float) -> type[H11Protocol]:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, saying in the log when it listens and when a signal stops it."""
+    """uvicorn's server, saying in the log when it listens and when a signal stops it; the drain it starts
+    ends after `drain_limit` seconds, the requests still unanswered refused (503)."""
 
-    def __init__(self, config: uvicorn.Config, batchers: list[Batcher]) -> None:
+    def __init__(
+        self, config: uvicorn.Config, batchers: list[Batcher], interrupts: interrupt.Interrupts, drain_limit: float
+    ) -> None:
         super().__init__(config)
         self.batchers = batchers
+        self.interrupts = interrupts
+        self.drain_limit = drain_limit
+        self.cut_by = ""  # what ended the drain before every request was done
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
@@ -145,12 +150,45 @@ class _Server(uvicorn.Server):
             host = f"[{host}]" if ":" in host else host  # IPv6
             log.info("serving on http://%s:%d (explorer: GET /; POST /translate, GET /health, GET /info)", host, port)
 
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if not self.should_exit:
-            log.info(
-                "%s: no new connections; finishing %d request(s) in flight (at most %d s)",
-                signal.Signals(sig).name,
-                sum(b.in_flight for b in self.batchers),
-                self.config.timeout_graceful_shutdown,
-            )
-        super().handle_exit(sig, frame)
+    @contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """Nothing: the command's `Interrupts` records SIGINT and SIGTERM, and `on_tick` reads it."""
+        yield
+
+    async def on_tick(self, counter: int) -> bool:
+        """Every 0.1 s while serving: a signal received starts the drain."""
+        if self.interrupts.received is not None and not self.should_exit:
+            self._drain(self.interrupts.received)
+        return await super().on_tick(counter)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's drain, watched for a second signal: that ends it at once, as its time limit would."""
+        watch = asyncio.get_running_loop().create_task(self._second_signal())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            watch.cancel()
+
+    async def _second_signal(self) -> None:
+        while not self.interrupts.repeated:
+            await asyncio.sleep(TICK)
+        log.info("a second signal: the requests in flight are answered 503 now")
+        self._refuse("a second signal", "the server was stopped before this request was done")
+
+    def _drain(self, sig: signal.Signals) -> None:
+        log.info(
+            "%s: no new connections; finishing %d request(s) in flight (at most %g s)",
+            sig.name,
+            sum(b.in_flight for b in self.batchers),
+            self.drain_limit,
+        )
+        self.should_exit = True
+        limit = f"--shutdown-timeout ({self.drain_limit:g} s)"
+        reason = f"the server is stopping and this request was not done within {self.drain_limit:g} s"
+        asyncio.get_running_loop().call_later(self.drain_limit, self._refuse, limit, reason)
+
+    def _refuse(self, cut_by: str, reason: str) -> None:
+        """Answer every request not yet done with a 503 (`reason`), now."""
+        self.cut_by = self.cut_by or cut_by
+        for batcher in self.batchers:
+            batcher.refuse(reason)
