@@ -8,7 +8,7 @@ and forks hypotheses at every step; recording attention inside it would mean
 carrying every hypothesis' weights through each reorder, at a cost on every
 decode. Instead, once the best hypothesis is known, `teacher_forced_attention`
 feeds it back through the incremental API (`encode`, `init_cache`,
-`decode_step`) with recording switched on: the same code and the same numbers
+`decode_step`) with an attention record in its cache: the same code and numbers
 as the step that chose each token (the fused attention kernel and the math
 version agree up to rounding), nothing to keep aligned, and decoding without
 recording pays nothing. It costs one extra greedy-sized pass, which is why

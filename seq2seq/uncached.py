@@ -14,7 +14,7 @@ from torch import Tensor
 from seq2seq.config import DecodeConfig
 from seq2seq.model import Seq2SeqModel, Seq2SeqTransformer
 from seq2seq.model.attention import attention_mask
-from seq2seq.model.record import AttentionRecord, recording
+from seq2seq.model.record import AttentionRecord
 from seq2seq.search import Hypothesis, search
 
 
@@ -56,10 +56,12 @@ class UncachedModel:
         state.tokens = torch.cat([state.tokens, tokens], dim=1)  # (N, t)
         last = torch.zeros_like(state.tokens, dtype=torch.bool)
         last[:, -1] = True  # one selected position per row: (N, V) in row order
-        with recording(state.attention):
-            logits = self.model.decoder(state.tokens, state.memory, state.memory_mask, last)
-        if state.attention is not None:
-            state.attention.end_step()  # the last position's weights
+        record = state.attention
+        logits, weights = self.model.decoder.run(
+            state.tokens, state.memory, state.memory_mask, last, need_weights=record is not None
+        )
+        if record is not None:
+            record.end_step(weights)  # the last position's weights
         return logits
 
 

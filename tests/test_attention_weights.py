@@ -18,7 +18,6 @@ from seq2seq.config import DecodeConfig, RNNConfig
 from seq2seq.ensemble import Ensemble
 from seq2seq.errors import AttentionError, ConfigError
 from seq2seq.model import AttentionRecord, Seq2SeqModel, Seq2SeqRNN, build_model
-from seq2seq.model.record import recording
 from seq2seq.search import search
 from seq2seq.uncached import UncachedModel
 from seq2seq.vocab import BOS, EOS, PAD
@@ -215,12 +214,17 @@ def test_uncached_decoding_records_the_same_weights(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["pre", "rnn-mlp"])
+@torch.no_grad()
 def test_decoding_writes_only_into_its_own_record(name: str) -> None:
-    """A record active around search gets nothing: each step records into its cache's record or none."""
+    """Each step records into its own cache's record or none: a session's record gets nothing from another
+    session's steps, nor from search or a teacher-forced pass run meanwhile."""
     model = tiny_model(**MODELS[name])
     src, mask = sources()
-    outer = AttentionRecord()
-    with recording(outer):
+    inputs = torch.cat([torch.full_like(targets()[:, :1], BOS), targets()[:, :-1]], dim=1)
+    mine, idle = (model.init_cache(model.encode(src, mask), mask) for _ in range(2))
+    mine.attention, idle.attention = AttentionRecord(), AttentionRecord()
+    for t in range(3):
+        model.decode_step(inputs[:, t : t + 1], mine)
         hypotheses = search(model, src, mask, DecodeConfig(beam_size=2, max_len_b=5), 31)
         teacher_forced_attention(model, src, mask, targets())
-    assert all(hypotheses) and outer.written == [] and outer.steps == []
+    assert all(hypotheses) and len(mine.attention.steps) == 3 and idle.attention.steps == []

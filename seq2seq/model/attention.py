@@ -9,8 +9,8 @@ Masks arrive in one convention everywhere in the package: a boolean
 
 A decoding step reads and extends the session's cache (seq2seq.model.cache)
 and runs its projections and kernel as the session's plan says
-(seq2seq.model.plan). Cross-attention writes its weights into the active
-attention record, when there is one (seq2seq.model.record).
+(seq2seq.model.plan). Cross-attention returns its weights beside its output
+when its caller asks for them (`need_weights`), and None otherwise.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from seq2seq.model.cache import LayerCache
 from seq2seq.model.plan import CPU_KERNEL, StepPlan
 from seq2seq.model.positions import RelativePositions, RotaryPositions
-from seq2seq.model.record import active_record
 
 Kernels = SDPBackend | list[SDPBackend] | None
 """One attention kernel, the kernels PyTorch may choose from, or None for PyTorch's whole choice."""
@@ -191,16 +190,15 @@ class MultiHeadAttention(nn.Module):
         weights = attention_weights(q, k, mask)
         return self.merge_heads(weights @ v), weights
 
-    def cross_attention(self, x: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-        """Cross-attention of x (B, T, D) over the encoder's keys/values (B, H, S, Dh) -> (B, T, D): the
-        fused kernel, or, while an attention record is active, the attention spelled out into the record."""
+    def cross_attention(
+        self, x: Tensor, k: Tensor, v: Tensor, mask: Tensor, need_weights: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
+        """Cross-attention of x (B, T, D) over the encoder's keys/values (B, H, S, Dh) -> (B, T, D), and with
+        `need_weights` the weights (B, H, T, S), spelled out (`attend_with_weights`); else the fused kernel."""
         q = self.project_query(x)
-        record = active_record()
-        if record is None:
-            return self.attend(q, k, v, mask)
-        out, weights = self.attend_with_weights(q, k, v, mask)
-        record.add(weights)
-        return out
+        if not need_weights:
+            return self.attend(q, k, v, mask), None
+        return self.attend_with_weights(q, k, v, mask)
 
     def merge_heads(self, out: Tensor, packing: Packing | None = None) -> Tensor:
         """(B, H, T, Dh) -> W_O applied to the concatenated heads, (B, T, D), or (n, D) at the packed positions."""
@@ -235,24 +233,26 @@ class MultiHeadAttention(nn.Module):
             heads = step_attention(q, k, v, plan.kernel)
         return plan.linear(self.out_proj)(concat_heads(heads))
 
-    def step_cross_attention(self, x: Tensor, cache: LayerCache, plan: StepPlan) -> Tensor:
-        """A decoding step's cross-attention of x (N, T, D) over the cached encoder keys/values -> (N, T, D).
+    def step_cross_attention(
+        self, x: Tensor, cache: LayerCache, plan: StepPlan, need_weights: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
+        """A decoding step's cross-attention of x (N, T, D) over the cached encoder keys/values -> (N, T, D),
+        and with `need_weights` the weights (N, H, T, S), spelled out; else None.
 
         The `group` rows of one source (a sentence's beam) attend to its single
-        copy of the keys/values together, as `group` query positions. While an
-        attention record is active, the weights (N, H, T, S) go into it.
+        copy of the keys/values together, as `group` query positions.
         """
         N, T, D = x.shape
         q = self.split_heads(plan.query(self)(x).view(-1, cache.group * T, D))  # (G, H, group*T, Dh)
-        record = active_record()
-        if record is None:
+        weights = None
+        if not need_weights:
             heads = step_attention(q, cache.cross_k, cache.cross_v, plan.kernel, cache.cross_mask, cache.cross_bias)
         else:
-            weights = attention_weights(q, cache.cross_k, cache.cross_mask)  # (G, H, group*T, S)
-            G, H, _, S = weights.shape
-            record.add(weights.view(G, H, cache.group, T, S).transpose(1, 2).reshape(N, H, T, S))
-            heads = weights @ cache.cross_v
-        return plan.linear(self.out_proj)(concat_heads(heads)).view(N, T, D)
+            grouped = attention_weights(q, cache.cross_k, cache.cross_mask)  # (G, H, group*T, S)
+            G, H, _, S = grouped.shape
+            weights = grouped.view(G, H, cache.group, T, S).transpose(1, 2).reshape(N, H, T, S)
+            heads = grouped @ cache.cross_v
+        return plan.linear(self.out_proj)(concat_heads(heads)).view(N, T, D), weights
 
     def scores(self, q: Tensor, k: Tensor, q_start: int, k_start: int = 0) -> Tensor:
         """Pre-softmax scores (B, H, Lq, Lk) of queries at q_start.. against keys at k_start..

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -20,6 +21,8 @@ from seq2seq.model.attention import MultiHeadAttention, Packing
 from seq2seq.model.cache import LayerCache
 from seq2seq.model.dropout import Dropout, add_dropout
 from seq2seq.model.plan import StepPlan
+
+Extra = TypeVar("Extra")
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,17 @@ class Residual(nn.Module):
             return add_dropout(x, sublayer(self.norm(x)), p, training)
         return self.norm(add_dropout(x, sublayer(x), p, training))
 
+    def around(self, x: Tensor, sublayer: Callable[[Tensor], tuple[Tensor, Extra]]) -> tuple[Tensor, Extra]:
+        """`forward` for a sub-layer that returns something beside its output (attention weights): passed on."""
+        extra: list[Extra] = []
+
+        def output(h: Tensor) -> Tensor:
+            out, more = sublayer(h)
+            extra.append(more)
+            return out
+
+        return self.forward(x, output), extra[0]
+
 
 class EncoderLayer(nn.Module):
     def __init__(
@@ -115,16 +129,28 @@ class DecoderLayer(nn.Module):
         self.cross_block = Residual(d_model, dropout, norm_first, options.norm(d_model))
         self.ffn_block = Residual(d_model, dropout, norm_first, options.norm(d_model))
 
-    def forward(self, x: Tensor, memory: Tensor, memory_mask: Tensor) -> Tensor:
-        """Teacher-forced pass. x: (B, T, D); memory: (B, S, D); memory_mask: (B, 1, 1, S)."""
+    def forward(
+        self, x: Tensor, memory: Tensor, memory_mask: Tensor, need_weights: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
+        """Teacher-forced pass. x: (B, T, D); memory: (B, S, D); memory_mask: (B, 1, 1, S).
+
+        Returns (B, T, D) and, with `need_weights`, the cross-attention weights (B, H, T, S); else None.
+        """
         x = self.self_block(x, lambda h: self.self_attn.self_attention(h, causal=True))
         k, v = self.cross_attn.project_memory(memory)
-        x = self.cross_block(x, lambda h: self.cross_attn.cross_attention(h, k, v, memory_mask))
-        return self.ffn_block(x, self.ffn)
+        x, weights = self.cross_block.around(
+            x, lambda h: self.cross_attn.cross_attention(h, k, v, memory_mask, need_weights)
+        )
+        return self.ffn_block(x, self.ffn), weights
 
-    def step(self, x: Tensor, cache: LayerCache, plan: StepPlan) -> Tensor:
+    def step(
+        self, x: Tensor, cache: LayerCache, plan: StepPlan, need_weights: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
         """One incremental position x (N, 1, D) through this layer's own modules, each run as the session's
-        `plan` says (seq2seq.model.plan); appends this step's keys/values to `cache`."""
+        `plan` says (seq2seq.model.plan); appends this step's keys/values to `cache`. Returns (N, 1, D) and,
+        with `need_weights`, the cross-attention weights (N, H, 1, S); else None."""
         x = self.self_block(x, lambda h: self.self_attn.step_self_attention(h, cache, plan))
-        x = self.cross_block(x, lambda h: self.cross_attn.step_cross_attention(h, cache, plan))
-        return self.ffn_block(x, plan.linear(self.ffn))
+        x, weights = self.cross_block.around(
+            x, lambda h: self.cross_attn.step_cross_attention(h, cache, plan, need_weights)
+        )
+        return self.ffn_block(x, plan.linear(self.ffn)), weights

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from seq2seq.config import ModelConfig
-from seq2seq.model.record import AttentionRecord, active_record, recording
+from seq2seq.model.record import AttentionRecord
 from seq2seq.model.transformer import Embedding, output_layer, token_embeddings
 
 State = tuple[Tensor, ...]  # (h,) for a GRU, (h, c) for an LSTM; each (L, B, H)
@@ -122,16 +122,12 @@ class GlobalAttention(nn.Module):
         return memory if self.key_proj is None else self.key_proj(memory)  # (B, S, H)
 
     def forward(self, query: Tensor, keys: Tensor, memory: Tensor, pad_mask: Tensor) -> tuple[Tensor, Tensor]:
-        """The context vector (B, H) and the alignment weights (B, S), which also go into the active
-        attention record, when there is one (seq2seq.model.record)."""
+        """The context vector (B, H) and the alignment weights (B, S)."""
         if self.query_proj is not None and self.v is not None:
             scores = self.v(torch.tanh(keys + self.query_proj(query)[:, None, :])).squeeze(-1)  # (B, S)
         else:
             scores = torch.bmm(keys, query[:, :, None]).squeeze(-1)  # (B, S)
         weights = scores.masked_fill(pad_mask, float("-inf")).softmax(dim=-1)
-        record = active_record()
-        if record is not None:
-            record.add(weights[:, None, None, :])  # (B, 1, 1, S): one head, one target position
         return torch.bmm(weights[:, None, :], memory).squeeze(1), weights
 
 
@@ -206,27 +202,34 @@ class RNNDecoder(nn.Module):
         self.output = output  # (V, D) weight, tied to the embedding unless configured otherwise
 
     def forward(self, tgt_in: Tensor, cache: RNNCache, select: Tensor | None = None) -> Tensor:
+        """Teacher-forced logits (B, T, V), or (N, V) at the `select`ed positions."""
+        return self.run(tgt_in, cache, select)[0]
+
+    def run(self, tgt_in: Tensor, cache: RNNCache, select: Tensor | None = None) -> tuple[Tensor, list[Tensor]]:
+        """`forward`'s logits and, with attention, the alignment weights (B, S) of each target position."""
         x = self.embedding(tgt_in)  # (B, T, D)
+        weights: list[Tensor] = []
         if self.attention is None:
             a = self.fixed_vector_steps(x, cache)  # (B, T, D)
         else:
-            a = torch.stack([self.attend_step(x[:, t], cache) for t in range(x.shape[1])], dim=1)
+            steps = [self.attend_step(x[:, t], cache) for t in range(x.shape[1])]
+            a = torch.stack([a_t for a_t, _ in steps], dim=1)
+            weights = [w for _, w in steps]
         a = self.dropout(a)
         if select is not None:
             a = a[select]  # (N, D): project only the positions that are scored
-        return self.output(a)  # (B, T, V) or (N, V)
+        return self.output(a), weights  # (B, T, V) or (N, V)
 
     def step(self, tokens: Tensor, cache: RNNCache) -> Tensor:
-        """Logits (B, V) for the next position; the alignment weights go into the cache's attention record
-        when it has one."""
+        """Logits (B, V) for the next position; the cache's attention record, when it has one, keeps the
+        alignment weights."""
         x = self.embedding(tokens)  # (B, 1, D)
         if self.attention is None:
             a = self.fixed_vector_steps(x, cache)[:, 0]
         else:
-            with recording(cache.attention):
-                a = self.attend_step(x[:, 0], cache)
+            a, weights = self.attend_step(x[:, 0], cache)
             if cache.attention is not None:
-                cache.attention.end_step()
+                cache.attention.end_step([weights[:, None, None, :]])  # one layer, one head, one position
         return self.output(self.dropout(a))  # (B, V)
 
     def fixed_vector_steps(self, x: Tensor, cache: RNNCache) -> Tensor:
@@ -240,14 +243,15 @@ class RNNDecoder(nn.Module):
         out, cache.state = run_rnn(self.rnn, torch.cat([x, c], dim=-1), cache.state)
         return torch.tanh(self.readout(torch.cat([x, out, c], dim=-1)))
 
-    def attend_step(self, x: Tensor, cache: RNNCache) -> Tensor:
-        """One step with attention and input feeding: x (B, D) -> a_t (B, D); updates the cache."""
+    def attend_step(self, x: Tensor, cache: RNNCache) -> tuple[Tensor, Tensor]:
+        """One step with attention and input feeding: x (B, D) -> a_t (B, D) and the alignment weights (B, S);
+        updates the cache."""
         assert self.attention is not None and cache.feed is not None and cache.keys is not None
         out, cache.state = run_rnn(self.rnn, torch.cat([x, cache.feed], dim=-1)[:, None], cache.state)
         d = out[:, 0]  # (B, H) the top layer's state
-        context, _ = self.attention(d, cache.keys, cache.memory, cache.pad_mask)
+        context, weights = self.attention(d, cache.keys, cache.memory, cache.pad_mask)
         cache.feed = torch.tanh(self.readout(torch.cat([context, d], dim=-1)))
-        return cache.feed
+        return cache.feed, weights
 
 
 class Seq2SeqRNN(nn.Module):
@@ -269,10 +273,8 @@ class Seq2SeqRNN(nn.Module):
         (one layer and one head, the Transformer's (B, T, L, H, S)); the model must have attention."""
         if self.decoder.attention is None:
             raise ValueError("this RNN has no attention (model.rnn.attention: none)")
-        record = AttentionRecord()
-        with recording(record):
-            self.decoder(tgt_in, self.init_cache(self.encode(src, src_pad_mask), src_pad_mask))
-        return torch.stack(record.take(), dim=1)  # (B, T, 1, 1, S)
+        _, weights = self.decoder.run(tgt_in, self.init_cache(self.encode(src, src_pad_mask), src_pad_mask))
+        return torch.stack(weights, dim=1)[:, :, None, None, :]  # (B, T, S) -> (B, T, 1, 1, S)
 
     def encode(self, src: Tensor, src_pad_mask: Tensor) -> Encoded:
         return self.encoder(src, src_pad_mask)

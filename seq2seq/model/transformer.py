@@ -23,7 +23,6 @@ from seq2seq.model.dropout import Dropout
 from seq2seq.model.layers import DecoderLayer, EncoderLayer, FeedForward, LayerOptions
 from seq2seq.model.packed import Linear, packed_linear, plain_linear
 from seq2seq.model.plan import DecodingPlan
-from seq2seq.model.record import AttentionRecord, recording
 from seq2seq.vocab import PAD
 
 
@@ -105,24 +104,42 @@ class Decoder(nn.Module):
 
     def forward(self, tgt_in: Tensor, memory: Tensor, memory_mask: Tensor, select: Tensor | None = None) -> Tensor:
         """Teacher-forced logits (B, T, V), or (N, V) at the `select`ed positions."""
+        return self.run(tgt_in, memory, memory_mask, select)[0]
+
+    def run(
+        self,
+        tgt_in: Tensor,
+        memory: Tensor,
+        memory_mask: Tensor,
+        select: Tensor | None = None,
+        need_weights: bool = False,
+    ) -> tuple[Tensor, list[Tensor]]:
+        """`forward`'s logits and, with `need_weights`, each layer's cross-attention weights (B, H, T, S),
+        bottom first; without, an empty list."""
         x = self.embedding(tgt_in)  # (B, T, D)
+        weights: list[Tensor] = []
         for layer in self.layers:
-            x = layer(x, memory, memory_mask)
+            x, layer_weights = layer(x, memory, memory_mask, need_weights)
+            if layer_weights is not None:
+                weights.append(layer_weights)
         x = self.final_norm(x)
         if select is not None:
             x = x[select]  # (N, D): project only the positions that are scored
-        return self.output(x)  # (B, T, V) or (N, V)
+        return self.output(x), weights  # (B, T, V) or (N, V)
 
     def step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
-        """Logits (N, V) for the next position; each layer runs as the session's plan (`cache.plan`) says,
-        and its cross-attention weights go into the cache's attention record when it has one."""
-        plan = cache.plan
+        """Logits (N, V) for the next position; each layer runs as the session's plan (`cache.plan`) says.
+        When the cache carries an attention record, the layers are asked for their cross-attention weights,
+        which the record keeps."""
+        plan, record = cache.plan, cache.attention
         x = self.embedding(cache.stored(tokens), start=cache.step)  # (P, 1, D)
-        with recording(cache.attention):
-            for layer, layer_cache in zip(self.decoder_layers(), cache.layers):
-                x = layer.step(x, layer_cache, plan)
-        if cache.attention is not None:
-            cache.attention.end_step(cache.searched)  # (N, L, H, S)
+        weights: list[Tensor] = []
+        for layer, layer_cache in zip(self.decoder_layers(), cache.layers):
+            x, layer_weights = layer.step(x, layer_cache, plan, record is not None)
+            if layer_weights is not None:
+                weights.append(layer_weights)
+        if record is not None:
+            record.end_step(weights, cache.searched)  # (N, L, H, S)
         cache.step += 1
         return plan.linear(self.output)(cache.searched(self.final_norm(x)[:, 0]))  # (N, V)
 
@@ -189,10 +206,9 @@ class Seq2SeqTransformer(nn.Module):
         Row t is the attention while predicting target token t, as the incremental
         API records it step by step (`DecoderCache.attention`).
         """
-        record = AttentionRecord()
-        with recording(record):
-            self.decoder(tgt_in, self.encoder(src, src_pad_mask), attention_mask(src_pad_mask))
-        return torch.stack(record.take(), dim=1).permute(0, 3, 1, 2, 4)  # (B, L, H, T, S) -> (B, T, L, H, S)
+        memory = self.encoder(src, src_pad_mask)
+        _, weights = self.decoder.run(tgt_in, memory, attention_mask(src_pad_mask), need_weights=True)
+        return torch.stack(weights, dim=1).permute(0, 3, 1, 2, 4)  # (B, L, H, T, S) -> (B, T, L, H, S)
 
     # The incremental API used by search.
 
