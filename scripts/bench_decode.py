@@ -76,7 +76,7 @@ class CompiledSteps:
         self.decode_step = torch.compile(model.decode_step, dynamic=True)
 
     def init_cache(self, memory: Any, src_pad_mask: torch.Tensor) -> Any:
-        from seq2seq.model.plan import DecodingPlan
+        from seq2seq.model.transformer import DecodingPlan
 
         if not hasattr(self.model, "plan"):  # no packing to turn off
             return self.model.init_cache(memory, src_pad_mask)

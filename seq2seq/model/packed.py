@@ -8,8 +8,8 @@ the same call. On the 3+3-layer d256 model this makes greedy decoding about
 a quarter faster (`scripts/bench_decode.py`).
 
 The packed weights are copies, kept between batches by the model's decoding
-plan (`seq2seq.model.plan.DecodingPlan`) and handed to each decoding session
-in its `StepPlan`, not by any table in this module. `onednn_available` is the
+plan (`seq2seq.model.transformer.DecodingPlan`) and handed to each decoding
+session in its `StepPlan`, not by any table in this module. `onednn_available` is the
 one check for the private oneDNN ops used here; without them (or where oneDNN
 refuses a model) the step uses the modules themselves, and the tests decode
 both ways.
@@ -73,5 +73,6 @@ ParameterKey = tuple[tuple[int, int], ...]
 
 def parameter_key(module: nn.Module) -> ParameterKey:
     """Where `module`'s parameters live and their versions: it changes when one is replaced or changed in place
-    by autograd-visible ops (a fused optimizer's updates are not, see `seq2seq.model.plan.DecodingPlan.invalidate`)."""
+    by autograd-visible ops (a fused optimizer's updates are not, see
+    `seq2seq.model.transformer.DecodingPlan.invalidate`)."""
     return tuple((p.data_ptr(), p._version) for p in module.parameters())

@@ -21,8 +21,16 @@ from seq2seq.model.attention import MultiHeadAttention, Packing, attention_mask
 from seq2seq.model.cache import DecoderCache
 from seq2seq.model.dropout import Dropout
 from seq2seq.model.layers import DecoderLayer, EncoderLayer, FeedForward, LayerOptions
-from seq2seq.model.packed import Linear, packed_linear, plain_linear
-from seq2seq.model.plan import DecodingPlan
+from seq2seq.model.packed import (
+    Linear,
+    ParameterKey,
+    can_pack,
+    onednn_available,
+    packed_linear,
+    parameter_key,
+    plain_linear,
+)
+from seq2seq.model.plan import CPU_KERNEL, FUSED_KERNEL, StepPlan
 from seq2seq.vocab import PAD
 
 
@@ -175,6 +183,56 @@ class Decoder(nn.Module):
             packed[layer.cross_attn] = packed_linear(*layer.cross_attn.query_weights())
             packed[layer.ffn] = ffn(layer.ffn)
         return packed
+
+
+class DecodingPlan:
+    """The plans of a model's decoding sessions; owned by the model (`Seq2SeqTransformer.plan`).
+
+    With `pack`, CPU float32 eval decoding without autograd runs the decoder's
+    linears with weights prepacked by oneDNN (seq2seq.model.packed), packed once
+    and reused while the parameters stay where and as they were; everything
+    else runs the modules themselves. `pack=False` always runs the modules: for
+    torch.compile, and to test that both give the same translations.
+    """
+
+    def __init__(self, decoder: Decoder, pack: bool = True) -> None:
+        self.decoder = decoder
+        self.pack = pack and onednn_available()
+        self._packed: tuple[ParameterKey, StepPlan] | None = None
+
+    def session(self, memory: Tensor) -> StepPlan:
+        """The plan of the session that starts now, over the encoder output `memory` (B, S, D)."""
+        kernel = CPU_KERNEL if memory.device.type == "cpu" else FUSED_KERNEL
+        if self.pack and can_pack(self.decoder):
+            key = parameter_key(self.decoder)
+            if self._packed is None or self._packed[0] != key:
+                self._packed = None
+                try:
+                    self._packed = (key, StepPlan(self.decoder.packed_linears(), self.cross_kv(), kernel))
+                except RuntimeError:  # oneDNN refused: the modules will do
+                    pass
+            if self._packed is not None:
+                return self._packed[1]
+        return StepPlan(self.decoder.plain_queries(), self.cross_kv(), kernel)
+
+    def cross_kv(self) -> tuple[Tensor, Tensor]:
+        """Every decoder layer's W_K, W_V stacked, and their biases: one matmul projects the encoder
+        output for all layers instead of one per layer."""
+        weights, biases = zip(*(attention.memory_weights() for attention in self.decoder.cross_attentions()))
+        return torch.cat(weights), torch.cat(biases)
+
+    @property
+    def holds_packed(self) -> bool:
+        """Whether packed copies of the weights are kept now (the last batch on CPU float32 ran with them)."""
+        return self._packed is not None
+
+    def invalidate(self) -> None:
+        """Drop the packed copies: the weights may change from now on, and fused optimizers change them
+        without bumping their versions."""
+        self._packed = None
+
+    def __getstate__(self) -> dict[str, object]:
+        return {**self.__dict__, "_packed": None}  # copies and pickles pack again when they decode
 
 
 class Seq2SeqTransformer(nn.Module):
