@@ -5,12 +5,18 @@ them, and `section.key=value` arguments override the YAML. Everything is
 checked here, before any tensor exists: unknown keys (with the closest valid
 name), wrong types, invalid choices and inconsistent values all raise
 `ConfigError` with one line that names the key and where it came from.
+
+Each setting is declared once, with `setting(default, help, bounds...)`: its
+bounds are checked generically (`Spec`, `Section`), the key in a message is the
+section's place in `ExperimentConfig` plus the field's name, and the
+configuration reference in docs/guide.md is generated from the same fields.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import os
 import stat
@@ -39,71 +45,265 @@ TEMPERATURES = (1e-6, 1e6)  # decode.temperature: far outside, float32 log-probs
 MAX_TOP_K = 2**24  # decode.top_k: more than any vocabulary
 MAX_CONFIG_BYTES = 2**20  # a config file is a few KB; a larger one is not a config
 T = TypeVar("T")
+SPEC = "seq2seq.config.Spec"  # the key of a setting's Spec in its field's metadata
 
 
 @dataclass(frozen=True)
-class DataConfig:
+class Spec:
+    """What a setting means and which values it takes, written once: its checks, their error messages and
+    its row of the configuration reference in docs/guide.md all come from here.
+
+    A number (each number of a tuple) must lie within the bounds, or be one of `also` (e.g. -1: all).
+    `limit` caps a size far beyond any real model: a larger value is a typo or hostile, and would fail in
+    an allocation. The choices of a setting are its Literal type; they need nothing here.
+    """
+
+    help: str
+    min: float | None = None  # inclusive lower bound
+    above: float | None = None  # exclusive lower bound
+    max: float | None = None  # inclusive upper bound
+    below: float | None = None  # exclusive upper bound
+    limit: int | None = None
+    also: tuple[int, ...] = ()
+    nonempty: bool = False  # text: an empty path or name would silently mean the current directory or `.de`
+
+    def bounds(self, with_limit: bool = False) -> str:
+        """The allowed numbers in words, as error messages say them ("at least 16", "in [0, 1)"); "" if any."""
+        low = self.min if self.min is not None else self.above
+        high = self.max if self.max is not None else self.below
+        closed = self.max is not None
+        if with_limit and self.limit is not None and high is None:
+            high, closed = self.limit, True
+        if low is not None and high is not None:
+            text = f"in {'[' if self.min is not None else '('}{_number(low)}, {_number(high)}{']' if closed else ')'}"
+        elif self.above is not None:
+            text = "positive" if self.above == 0 else f"above {_number(self.above)}"
+        elif self.min is not None:
+            text = ">= 0" if self.min == 0 else f"at least {_number(self.min)}"
+        elif high is not None:
+            text = f"at most {_number(high)}" if closed else f"below {_number(high)}"
+        else:
+            return ""
+        return " or ".join([*map(str, self.also), text])
+
+    def within(self, x: float) -> bool:
+        """Whether x is allowed (the limit aside); NaN never is."""
+        return x in self.also or (
+            (self.min is None or x >= self.min)
+            and (self.above is None or x > self.above)
+            and (self.max is None or x <= self.max)
+            and (self.below is None or x < self.below)
+        )
+
+    def check(self, value: Any, key: str) -> None:
+        """Raise a ConfigError naming `key` if `value` breaks this Spec."""
+        if self.nonempty and isinstance(value, str) and not value.strip():
+            raise ConfigError(f"{key} must not be empty")
+        for x in value if isinstance(value, tuple) else (value,):
+            if not isinstance(x, int | float) or isinstance(x, bool):  # e.g. train.num_workers: auto
+                continue
+            if not self.within(x):
+                raise ConfigError(f"{key} must be {self.bounds()}; got {_shown(value)}")
+            if self.limit is not None and x > self.limit and x not in self.also:
+                raise ConfigError(f"{key} must be at most {self.limit}; got {_shown(value)}")
+
+
+def setting(
+    default: T,
+    help: str,
+    *,
+    min: float | None = None,
+    above: float | None = None,
+    max: float | None = None,
+    below: float | None = None,
+    limit: int | None = None,
+    also: tuple[int, ...] = (),
+    nonempty: bool = False,
+) -> T:
+    """A dataclass field holding a setting's default and its Spec (see Spec for the arguments)."""
+    spec = Spec(help, min=min, above=above, max=max, below=below, limit=limit, also=also, nonempty=nonempty)
+    return field(default=default, metadata={SPEC: spec})
+
+
+def _number(x: float) -> str:
+    if isinstance(x, int):
+        return f"2**{x.bit_length() - 1}" if x >= 2**32 and x & (x - 1) == 0 else str(x)
+    return f"{x:g}"
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, tuple):
+        return "[" + ", ".join(map(_shown, value)) + "]"
+    return _number(value) if isinstance(value, int | float) and not isinstance(value, bool) else repr(value)
+
+
+class Section:
+    """A config section. Constructing one checks every field against its Spec and its choices, then the
+    checks across fields (`check`); each error names the setting's dotted key, taken from where the
+    section sits in ExperimentConfig."""
+
+    def __post_init__(self) -> None:
+        cls = type(self)
+        hints = _hints(cls)
+        for f in dataclasses.fields(typing.cast(Any, self)):
+            value, kind = getattr(self, f.name), hints[f.name]
+            if typing.get_origin(kind) is Literal and value not in typing.get_args(kind):
+                choices = ", ".join(map(str, typing.get_args(kind)))
+                raise ConfigError(f"{self.key(f.name)} must be one of {choices}; got {value!r}")
+            spec = f.metadata.get(SPEC)
+            if spec is not None:
+                spec.check(value, self.key(f.name))
+        self.check()
+
+    def check(self) -> None:
+        """The checks across settings that no Spec can express."""
+
+    def key(self, name: str) -> str:
+        """The dotted key of this section's setting `name`, e.g. train.max_tokens."""
+        if name not in _hints(type(self)):
+            raise AssertionError(f"{type(self).__name__} has no setting {name!r}")
+        return _prefixes()[type(self)] + name
+
+    def require(self, ok: bool, name: str, message: str) -> None:
+        """Unless ok: a ConfigError "{the key of `name`} {message}"."""
+        key = self.key(name)  # a misspelt name fails every construction, not just the rare one that errs
+        if not ok:
+            raise ConfigError(f"{key} {message}")
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    """A section's resolved field types (the annotations are strings here), looked up once."""
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+@functools.cache
+def _prefixes() -> dict[type, str]:
+    """Each section class's dotted prefix ("model.transformer."), from the fields of ExperimentConfig down."""
+    out: dict[type, str] = {ExperimentConfig: ""}
+    for cls, prefix in _sections(ExperimentConfig, ""):
+        out[cls] = prefix
+    return out
+
+
+def _sections(cls: type, prefix: str) -> list[tuple[type, str]]:
+    """(section class, its dotted prefix) of every section below `cls`, depth first."""
+    out = []
+    for f in dataclasses.fields(cls):
+        section = _section_type(_hints(cls)[f.name])
+        if section is not None:
+            out += [(section, f"{prefix}{f.name}."), *_sections(section, f"{prefix}{f.name}.")]
+    return out
+
+
+class Setting(typing.NamedTuple):
+    key: str  # dotted, e.g. train.max_tokens
+    default: Any
+    kind: Any  # the field's type
+    spec: Spec
+
+
+def settings() -> list[Setting]:
+    """Every setting of an experiment, section by section, each in the order its section declares it."""
+    out = []
+    for cls, prefix in [(ExperimentConfig, ""), *_sections(ExperimentConfig, "")]:
+        for f in dataclasses.fields(cls):
+            kind = _hints(cls)[f.name]
+            if _section_type(kind) is not None:
+                continue
+            spec = f.metadata.get(SPEC)
+            if not isinstance(spec, Spec):
+                raise AssertionError(f"{prefix}{f.name} is not declared with setting(default, help, ...)")
+            out.append(Setting(prefix + f.name, f.default, kind, spec))
+    return out
+
+
+@dataclass(frozen=True)
+class DataConfig(Section):
     """Where the parallel text lives and how it is tokenized.
 
     Files are `{dir}/{split}.{lang}` (format text), or one `{dir}/{split}.tsv` / `{split}.jsonl` a split;
     plain or gzipped (`.gz` is tried too).
     """
 
-    dir: str = "data/multi30k"
-    src_lang: str = "de"
-    tgt_lang: str = "en"
-    train: tuple[str, ...] = ("train",)  # training sets, each `name` or `name:weight` (upsampled by weight)
-    valid: str = "val"
-    test: str = "test_2016_flickr"
-    vocab_size: int = 8000
-    shared_vocab: bool = True
-    spm_model_type: Literal["unigram", "bpe"] = "unigram"
-    max_len: int = 128  # training pairs with more subwords on either side are dropped
-    # Subword regularisation of the training pairs, a new segmentation every epoch
-    # (seq2seq.tokenizer.Sampling): 0 is off; unigram models take a smoothing
-    # alpha over the sampling_nbest best segmentations, BPE a dropout probability.
-    sampling_alpha: float = 0.0
-    sampling_nbest: int = 64  # -1: all segmentations
-    spm_sample: int = 1_000_000  # sentences SentencePiece trains on at most (a uniform sample of the training text)
-    prepared_dir: str = ""  # where `seq2seq prepare` writes the training data; "": {train.run_dir}/prepared
-    format: Literal["text", "tsv", "jsonl"] = "text"  # tsv: source<TAB>target a line; jsonl: an object a line
-    src_field: str = "src"  # format jsonl: the fields holding the two sides
-    tgt_field: str = "tgt"
-    # An existing SentencePiece model instead of training one (its size wins over vocab_size); without a
-    # shared vocabulary, spm_model_src and spm_model_tgt instead.
-    spm_model: str = ""
-    spm_model_src: str = ""
-    spm_model_tgt: str = ""
-    pretokenized: bool = False  # the text's whitespace-split tokens are the pieces: a word vocabulary (no subwords)
-    # Several language pairs in one model, each "SRC-TGT" (files {dir}/{split}.SRC and .TGT), with a
-    # target-language tag <2TGT> on every source sentence (Johnson et al., 2017); needs shared_vocab.
-    # (): the one pair src_lang-tgt_lang, without tags.
-    pairs: tuple[str, ...] = ()
+    dir: str = setting("data/multi30k", "directory of the data files, e.g. `{split}.{lang}[.gz]`", nonempty=True)
+    src_lang: str = setting("de", "source language: the suffix of its files", nonempty=True)
+    tgt_lang: str = setting("en", "target language: the suffix of its files", nonempty=True)
+    train: tuple[str, ...] = setting(
+        ("train",), "training sets, each `name` or `name:weight` (upsampled by weight; see Large corpora)"
+    )
+    valid: str = setting("val", "validation split", nonempty=True)
+    test: str = setting("test_2016_flickr", "test split (`evaluate`'s default)", nonempty=True)
+    vocab_size: int = setting(8000, "SentencePiece vocabulary size (smaller corpora get fewer)", min=8)
+    shared_vocab: bool = setting(True, "one vocabulary for both languages")
+    spm_model_type: Literal["unigram", "bpe"] = setting("unigram", "SentencePiece model type")
+    max_len: int = setting(128, "training pairs with more subwords on either side are dropped", min=1)
+    # seq2seq.tokenizer.Sampling
+    sampling_alpha: float = setting(
+        0.0,
+        "subword regularisation: a new random segmentation of every training pair each epoch; unigram: "
+        "smoothing over the `data.sampling_nbest` best segmentations, BPE: dropout probability; 0 is off",
+        min=0,
+    )
+    sampling_nbest: int = setting(
+        64, "unigram sampling: segmentations sampled from (-1: all)", min=2, also=(-1,), limit=MAX_BEAM
+    )
+    spm_sample: int = setting(
+        1_000_000, "SentencePiece trains on a uniform sample of at most this many training sentences", min=2
+    )
+    prepared_dir: str = setting(
+        "",
+        'where `seq2seq prepare` writes the training data (`""`: `prepared/` in the run directory); see Large corpora',
+    )
+    format: Literal["text", "tsv", "jsonl"] = setting(
+        "text",
+        "`text`: `{split}.{lang}` files; `tsv`: one `{split}.tsv` a split, `source<TAB>target` a line; `jsonl`: "
+        "one `{split}.jsonl`, an object a line (each `.gz` too); a bad line stops with `FILE:LINE`",
+    )
+    src_field: str = setting("src", "format `jsonl`: the field of the source side", nonempty=True)
+    tgt_field: str = setting("tgt", "format `jsonl`: the field of the target side", nonempty=True)
+    spm_model: str = setting(
+        "",
+        "an existing SentencePiece model to use instead of training one (its size wins over `data.vocab_size`); "
+        "it must have pad 0, unk 1, bos 2, eos 3",
+    )
+    spm_model_src: str = setting("", "the same for the source side alone (`data.shared_vocab: false`)")
+    spm_model_tgt: str = setting("", "the same for the target side alone (`data.shared_vocab: false`)")
+    pretokenized: bool = setting(
+        False,
+        "the text is already tokenized: its whitespace-split tokens are the pieces of a word vocabulary "
+        "(no subwords; unknown words become `<unk>`)",
+    )
+    pairs: tuple[str, ...] = setting(
+        (),
+        "several language pairs in one model, each `SRC-TGT` (files `{split}.SRC`, `{split}.TGT`), with a "
+        "`<2TGT>` tag on every source sentence (Johnson et al., 2017; see Several languages); needs "
+        "`data.shared_vocab`; `[]`: the one pair `data.src_lang`-`data.tgt_lang`, without tags",
+    )
 
-    def __post_init__(self) -> None:
-        _require(self.vocab_size >= 8, "data.vocab_size", "must be at least 8")
-        _require(self.max_len >= 1, "data.max_len", "must be positive")
-        _require(self.sampling_alpha >= 0, "data.sampling_alpha", "must be >= 0")
-        _require(
+    def check(self) -> None:
+        self.require(
             self.spm_model_type != "bpe" or self.sampling_alpha < 1,
-            "data.sampling_alpha",
+            "sampling_alpha",
             "is a dropout probability for BPE and must be below 1",
         )
-        _require(self.sampling_nbest == -1 or self.sampling_nbest >= 2, "data.sampling_nbest", "must be -1 or >= 2")
-        _require_at_most(self.sampling_nbest, MAX_BEAM, "data.sampling_nbest")
-        _require(self.spm_sample >= 2, "data.spm_sample", "must be at least 2")
-        _require(self.src_lang != self.tgt_lang, "data.tgt_lang", "must differ from data.src_lang")
-        for key in ("dir", "src_lang", "tgt_lang", "valid", "test", "src_field", "tgt_field"):
-            _require_text(getattr(self, key), f"data.{key}")
+        self.require(self.src_lang != self.tgt_lang, "tgt_lang", f"must differ from {self.key('src_lang')}")
         self._check_spm_models()
         if self.pretokenized:
-            _require(not self.given_spm_models(), "data.pretokenized", "builds a vocabulary: not with data.spm_model")
-            _require(self.sampling_alpha == 0, "data.sampling_alpha", "samples subwords: not with data.pretokenized")
-            _require(self.spm_model_type == "unigram", "data.spm_model_type", "does not apply to data.pretokenized")
-        _require(len(self.train) > 0, "data.train", "must name at least one training set")
+            pretokenized = self.key("pretokenized")
+            self.require(
+                not self.given_spm_models(), "pretokenized", f"builds a vocabulary: not with {self.key('spm_model')}"
+            )
+            self.require(self.sampling_alpha == 0, "sampling_alpha", f"samples subwords: not with {pretokenized}")
+            self.require(self.spm_model_type == "unigram", "spm_model_type", f"does not apply to {pretokenized}")
+        self.require(len(self.train) > 0, "train", "must name at least one training set")
         for name, weight in self.train_sets():
-            _require_text(name, "data.train")
-            _require(0 < weight < 1e6, "data.train", f"weight of {name} must be a positive number; got {weight}")
+            self.require(bool(name.strip()), "train", "must not be empty")
+            self.require(0 < weight < 1e6, "train", f"weight of {name} must be a positive number; got {weight}")
         self._check_pairs()
 
     def _check_pairs(self) -> None:
@@ -111,18 +311,20 @@ class DataConfig:
         for item in self.pairs:
             src, sep, tgt = item.partition("-")
             ok = bool(sep) and all(lang and lang.strip() == lang and "-" not in lang for lang in (src, tgt))
-            _require(ok, "data.pairs", f"item {item!r} must be SRC-TGT, e.g. de-en")
-            _require(src != tgt, "data.pairs", f"item {item!r} translates a language into itself")
-        _require(len(set(self.pairs)) == len(self.pairs), "data.pairs", "names a pair twice")
-        _require(
+            self.require(ok, "pairs", f"item {item!r} must be SRC-TGT, e.g. de-en")
+            self.require(src != tgt, "pairs", f"item {item!r} translates a language into itself")
+        self.require(len(set(self.pairs)) == len(self.pairs), "pairs", "names a pair twice")
+        self.require(
             not self.pairs or self.shared_vocab,
-            "data.pairs",
-            "needs data.shared_vocab: true (one vocabulary for all languages, which holds the target tags)",
+            "pairs",
+            f"needs {self.key('shared_vocab')}: true (one vocabulary for all languages, which holds the target tags)",
         )
         if self.pairs:  # the tags are pieces of the vocabulary trained here, and the pairs' files are per language
-            _require(self.format == "text", "data.pairs", "needs data.format: text ({split}.{lang} files)")
-            _require(not self.spm_model, "data.pairs", "trains its own vocabulary with the tags: drop data.spm_model")
-            _require(not self.pretokenized, "data.pairs", "does not go with data.pretokenized")
+            self.require(self.format == "text", "pairs", f"needs {self.key('format')}: text ({{split}}.{{lang}} files)")
+            self.require(
+                not self.spm_model, "pairs", f"trains its own vocabulary with the tags: drop {self.key('spm_model')}"
+            )
+            self.require(not self.pretokenized, "pairs", f"does not go with {self.key('pretokenized')}")
 
     def language_pairs(self) -> list[tuple[str, str]]:
         """(source, target) language of each pair: data.pairs, or the one pair src_lang-tgt_lang."""
@@ -137,12 +339,13 @@ class DataConfig:
     def _check_spm_models(self) -> None:
         """One given model for a shared vocabulary, one per side otherwise: a model left unused is an error."""
         per_side = bool(self.spm_model_src), bool(self.spm_model_tgt)
+        shared, src, tgt = self.key("shared_vocab"), self.key("spm_model_src"), self.key("spm_model_tgt")
         if self.shared_vocab:
-            _require(not any(per_side), "data.spm_model_src", "needs data.shared_vocab: false (else: data.spm_model)")
+            self.require(not any(per_side), "spm_model_src", f"needs {shared}: false (else: {self.key('spm_model')})")
         else:
-            both = "is one model for both sides: needs data.shared_vocab: true (else: spm_model_src, spm_model_tgt)"
-            _require(not self.spm_model, "data.spm_model", both)
-            _require(all(per_side) or not any(per_side), "data.spm_model_src", "and data.spm_model_tgt go together")
+            both = f"is one model for both sides: needs {shared}: true (else: {src}, {tgt})"
+            self.require(not self.spm_model, "spm_model", both)
+            self.require(all(per_side) or not any(per_side), "spm_model_src", f"and {tgt} go together")
 
     def given_spm_models(self) -> tuple[str, ...]:
         """The SentencePiece model file(s) to use instead of training: (shared,), (source, target) or ()."""
@@ -158,66 +361,67 @@ class DataConfig:
             try:
                 out.append((name, float(weight)))
             except ValueError:
-                raise ConfigError(f"data.train {item!r}: the weight after ':' must be a number") from None
+                raise ConfigError(f"{self.key('train')} {item!r}: the weight after ':' must be a number") from None
         return out
 
 
 @dataclass(frozen=True)
-class TransformerConfig:
+class TransformerConfig(Section):
     """The Transformer's own settings (model.arch: transformer); see seq2seq/model/transformer.py."""
 
-    n_heads: int = 4
-    d_ff: int = 1024
-    encoder_layers: int = 3
-    decoder_layers: int = 3
-    attention_dropout: float = 0.0
-    activation_dropout: float = 0.0  # inside the feed-forward block (4x wider, so 4x the RNG cost)
-    activation: Literal["relu", "gelu"] = "relu"
-    norm: Literal["post", "pre"] = "pre"
-    norm_type: Literal["layernorm", "rmsnorm"] = "layernorm"
-    positions: Literal["sinusoidal", "learned", "relative", "rope"] = "sinusoidal"
-    max_relative_distance: int = 16  # positions: relative clips distances to [-k, k] (Shaw et al., 2018)
-
-    def __post_init__(self) -> None:
-        _require(self.n_heads > 0, "model.transformer.n_heads", "must be positive")
-        _require_at_most(self.n_heads, MAX_HEADS, "model.transformer.n_heads")
-        _require(self.d_ff > 0, "model.transformer.d_ff", "must be positive")
-        _require_at_most(self.d_ff, MAX_FF, "model.transformer.d_ff")
-        for key in ("encoder_layers", "decoder_layers"):
-            _require(getattr(self, key) >= 1, f"model.transformer.{key}", "must be at least 1")
-            _require_at_most(getattr(self, key), MAX_LAYERS, f"model.transformer.{key}")
-        for key in ("attention_dropout", "activation_dropout"):
-            _require(0.0 <= getattr(self, key) < 1.0, f"model.transformer.{key}", "must be in [0, 1)")
-        _require(self.max_relative_distance >= 1, "model.transformer.max_relative_distance", "must be at least 1")
-        _require_at_most(self.max_relative_distance, MAX_POSITIONS, "model.transformer.max_relative_distance")
+    n_heads: int = setting(4, "attention heads (they split `model.d_model`)", min=1, limit=MAX_HEADS)
+    d_ff: int = setting(1024, "feed-forward width", min=1, limit=MAX_FF)
+    encoder_layers: int = setting(3, "encoder depth", min=1, limit=MAX_LAYERS)
+    decoder_layers: int = setting(3, "decoder depth", min=1, limit=MAX_LAYERS)
+    attention_dropout: float = setting(0.0, "dropout on the attention weights", min=0, below=1)
+    activation_dropout: float = setting(
+        0.0, "dropout inside the feed-forward block (4x wider, so 4x the RNG cost)", min=0, below=1
+    )
+    activation: Literal["relu", "gelu"] = setting("relu", "activation of the feed-forward block")
+    norm: Literal["post", "pre"] = setting(
+        "pre", "`post`: x = LN(x + F(x)), the 2017 paper; `pre`: x = x + F(LN(x)), with a final LN"
+    )
+    norm_type: Literal["layernorm", "rmsnorm"] = setting("layernorm", "the normalisation, for pre- and post-norm alike")
+    positions: Literal["sinusoidal", "learned", "relative", "rope"] = setting(
+        "sinusoidal",
+        "`sinusoidal` or `learned` (added to the embeddings), `relative` (Shaw et al., 2018) or `rope` (rotary), "
+        "inside self-attention",
+    )
+    max_relative_distance: int = setting(
+        16, "`positions: relative` clips distances to [-k, k]", min=1, limit=MAX_POSITIONS
+    )
 
 
 @dataclass(frozen=True)
-class RNNConfig:
+class RNNConfig(Section):
     """The recurrent encoder-decoder's own settings (model.arch: rnn); see seq2seq/model/rnn.py."""
 
-    cell: Literal["lstm", "gru"] = "lstm"
-    layers: int = 2  # encoder and decoder alike: the bridge maps layer to layer
-    hidden_size: int = 512  # the decoder's state; a bidirectional encoder has half per direction
-    bidirectional: bool = True
-    attention: Literal["none", "dot", "general", "mlp"] = "general"  # Luong et al. (2015), with input feeding
-    # attention: none only. Cho et al. (2014): the context vector enters every decoder step and the readout
-    context_every_step: bool = False
+    cell: Literal["lstm", "gru"] = setting("lstm", "the recurrent cell")
+    layers: int = setting(2, "encoder and decoder depth (the bridge maps layer to layer)", min=1, limit=MAX_LAYERS)
+    hidden_size: int = setting(
+        512, "the decoder's state (a bidirectional encoder has half per direction)", min=2, limit=MAX_WIDTH
+    )
+    bidirectional: bool = setting(True, "bidirectional encoder, with a learned bridge to the decoder")
+    attention: Literal["none", "dot", "general", "mlp"] = setting(
+        "general", "attention of Luong et al. (2015), with input feeding"
+    )
+    context_every_step: bool = setting(
+        False,
+        "`attention: none` only (refused with attention): the context vector c, the decoder's initial top-layer "
+        "state, joins the input of every decoder step and the readout, tanh(W [y; d_t; c]) (Cho et al., 2014; "
+        "the PyTorch tutorial's GRU); false: c is only the initial state",
+    )
 
-    def __post_init__(self) -> None:
-        _require(self.layers >= 1, "model.rnn.layers", "must be at least 1")
-        _require(self.hidden_size >= 2, "model.rnn.hidden_size", "must be at least 2")
-        _require_at_most(self.layers, MAX_LAYERS, "model.rnn.layers")
-        _require_at_most(self.hidden_size, MAX_WIDTH, "model.rnn.hidden_size")
-        _require(
+    def check(self) -> None:
+        self.require(
             not self.bidirectional or self.hidden_size % 2 == 0,
-            "model.rnn.hidden_size",
-            f"({self.hidden_size}) must be even with model.rnn.bidirectional (half per direction)",
+            "hidden_size",
+            f"({self.hidden_size}) must be even with {self.key('bidirectional')} (half per direction)",
         )
-        _require(
+        self.require(
             not self.context_every_step or self.attention == "none",
-            "model.rnn.context_every_step",
-            f"needs model.rnn.attention: none (with attention: {self.attention} every step already reads "
+            "context_every_step",
+            f"needs {self.key('attention')}: none (with attention: {self.attention} every step already reads "
             "its own context from the encoder states)",
         )
 
@@ -226,34 +430,44 @@ ARCHITECTURES = ("transformer", "rnn")  # model.arch, and the name of the sectio
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(Section):
     """The settings both architectures share, and the section of the chosen one's own settings.
 
     Only the section `arch` names exists (the other is None, and a config file
     that sets it is refused): a setting the model would ignore is a mistake.
     """
 
-    arch: Literal["transformer", "rnn"] = "transformer"
-    d_model: int = 256  # the embeddings, and the Transformer's width
-    dropout: float = 0.1  # on the embeddings and between layers
-    max_positions: int = 512  # the longest sequence the model takes
-    share_decoder_embeddings: bool = True  # output projection = decoder input embedding
-    share_all_embeddings: bool = True  # encoder embedding too; needs data.shared_vocab
+    arch: Literal["transformer", "rnn"] = setting(
+        "transformer",
+        "the architecture (see Architectures); only its own section, `model.transformer.*` or `model.rnn.*`, "
+        "may be set",
+    )
+    d_model: int = setting(256, "embedding width (and the Transformer's)", min=1, limit=MAX_WIDTH)
+    dropout: float = setting(0.1, "residual and embedding dropout (the RNN's between layers too)", min=0, below=1)
+    max_positions: int = setting(512, "the longest sequence the model takes", min=8, limit=MAX_POSITIONS)
+    share_decoder_embeddings: bool = setting(True, "output projection tied to the target embedding")
+    share_all_embeddings: bool = setting(True, "source embedding tied too (needs `data.shared_vocab`)")
     transformer: TransformerConfig | None = None  # model.arch: transformer; None: the defaults
     rnn: RNNConfig | None = None  # model.arch: rnn; None: the defaults
 
-    def __post_init__(self) -> None:
-        _require(self.d_model > 0, "model.d_model", "must be positive")
-        _require_at_most(self.d_model, MAX_WIDTH, "model.d_model")
-        _require(0.0 <= self.dropout < 1.0, "model.dropout", "must be in [0, 1)")
-        _require(self.max_positions >= 8, "model.max_positions", "must be at least 8")
-        _require_at_most(self.max_positions, MAX_POSITIONS, "model.max_positions")
+    def check(self) -> None:
         other = "rnn" if self.arch == "transformer" else "transformer"
-        _require(getattr(self, other) is None, f"model.{other}", f"does not apply to model.arch: {self.arch}")
+        self.require(getattr(self, other) is None, other, f"does not apply to {self.key('arch')}: {self.arch}")
         if getattr(self, self.arch) is None:  # frozen: the chosen section's defaults are filled in once, here
             object.__setattr__(self, self.arch, TransformerConfig() if self.arch == "transformer" else RNNConfig())
-        if self.transformer is not None:
-            _check_heads(self.d_model, self.transformer)
+        t = self.transformer
+        if t is not None:  # the heads split d_model evenly, and rotary positions rotate pairs of a head's dimensions
+            self.require(
+                self.d_model % t.n_heads == 0,
+                "d_model",
+                f"({self.d_model}) must be divisible by {t.key('n_heads')} ({t.n_heads})",
+            )
+            t.require(
+                t.positions != "rope" or (self.d_model // t.n_heads) % 2 == 0,
+                "positions",
+                f"rope rotates pairs of dimensions: {self.key('d_model')} / {t.key('n_heads')} "
+                f"({self.d_model // t.n_heads}) must be even",
+            )
 
     def dropouts(self) -> tuple[float, ...]:
         """Every dropout probability of the chosen architecture."""
@@ -261,219 +475,163 @@ class ModelConfig:
         return (self.dropout,) if t is None else (self.dropout, t.attention_dropout, t.activation_dropout)
 
 
-def _check_heads(d_model: int, t: TransformerConfig) -> None:
-    """The heads split model.d_model evenly, and rotary positions rotate pairs of a head's dimensions."""
-    _require(
-        d_model % t.n_heads == 0,
-        "model.d_model",
-        f"({d_model}) must be divisible by model.transformer.n_heads ({t.n_heads})",
-    )
-    _require(
-        t.positions != "rope" or (d_model // t.n_heads) % 2 == 0,
-        "model.transformer.positions",
-        f"rope rotates pairs of dimensions: model.d_model / model.transformer.n_heads ({d_model // t.n_heads}) "
-        "must be even",
-    )
-
-
 @dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(Section):
     """Optimisation, checkpointing and validation."""
 
-    run_dir: str = "runs/default"
-    seed: int = 1
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    threads: int = 0  # CPU threads for torch; 0 keeps torch's default
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "fp32"
-    max_tokens: int = 4096  # token budget of one batch (padded, the larger side)
-    update_freq: int = 1  # batches accumulated into one optimizer step
-    max_epochs: int = 20
-    max_steps: int = 0  # 0: no limit
-    max_minutes: float = 0.0  # training-time budget, counted across resumes; 0: no limit
-    optimizer: Literal["adam", "adamw"] = "adam"
-    lr: float = 7e-4
-    betas: tuple[float, float] = (0.9, 0.98)
-    eps: float = 1e-9
-    weight_decay: float = 0.0
-    schedule: Literal["inverse_sqrt", "noam", "cosine", "constant"] = "inverse_sqrt"
-    warmup_steps: int = 1000
-    label_smoothing: float = 0.1
-    rdrop_alpha: float = 0.0  # R-Drop: weight of the KL between two dropout passes (2.5x the CPU time); 0: off
-    clip_norm: float = 1.0  # 0: no clipping
-    valid_every: int = 0  # steps between validations; 0: once per epoch
-    valid_bleu: bool = True  # decode the validation set for BLEU at each validation
-    best_metric: Literal["bleu", "loss"] = "bleu"
-    patience: int = 0  # validations without improvement before stopping; 0: never stop
-    save_every: int = 0  # steps between saves besides validations (checkpoint_last and a step checkpoint); 0: off
-    keep_last: int = 5  # epoch/step checkpoints kept besides checkpoint_last and _best
-    average_last: int = 0  # average this many last checkpoints at the end of training; 0: off
-    log_every: int = 50
-    max_bad_steps: int = 20  # consecutive non-finite losses before giving up
-    deterministic: bool = False
-    # DataLoader processes collating batches while the model trains; 0: in this process; auto: 0 on the CPU,
-    # up to 4 on CUDA (seq2seq.training.setup.data_workers says why)
-    num_workers: int | Literal["auto"] = "auto"
-    # Fine-tuning: a checkpoint file, or a run directory (its checkpoint_best.pt), whose weights and tokenizer
-    # start this run; everything else starts afresh (seq2seq/training/finetune.py). "": random weights.
-    init_from: str = ""
+    run_dir: str = setting("runs/default", "where everything of a run goes", nonempty=True)
+    seed: int = setting(1, "seed of the weights, the batches and dropout", min=0, below=INT_LIMIT)
+    device: Literal["auto", "cpu", "cuda"] = setting("auto", "`auto`: CUDA if available")
+    threads: int = setting(0, "CPU threads for torch (0: torch's default)", min=0, max=MAX_THREADS)
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = setting(
+        "fp32",
+        "`bf16`: autocast; `fp16`: CUDA, with a gradient scaler; `auto`: bf16 on CPUs with native bf16 and on "
+        "GPUs that support it, fp16 on other GPUs, else fp32 (on an H200 the quickstart model trained 6-10x "
+        "slower in bf16/fp16 than in fp32, see docs/results.md)",
+    )
+    max_tokens: int = setting(4096, "token budget of one batch (padded, the larger side)", min=16)
+    update_freq: int = setting(1, "batches accumulated into one optimizer step", min=1)
+    max_epochs: int = setting(20, "epochs before stopping (0: no limit)", min=0)
+    max_steps: int = setting(0, "updates before stopping (0: no limit)", min=0)
+    max_minutes: float = setting(0.0, "training-time budget, counted across resumes (0: no limit)", min=0)
+    optimizer: Literal["adam", "adamw"] = setting("adam", "the optimizer")
+    lr: float = setting(7e-4, "peak learning rate", above=0)
+    betas: tuple[float, float] = setting((0.9, 0.98), "Adam's betas", min=0, below=1)
+    eps: float = setting(1e-9, "Adam's epsilon", above=0)
+    weight_decay: float = setting(0.0, "weight decay", min=0)
+    schedule: Literal["inverse_sqrt", "noam", "cosine", "constant"] = setting("inverse_sqrt", "learning-rate schedule")
+    warmup_steps: int = setting(1000, "updates of linear warmup (`noam` needs some)", min=0)
+    label_smoothing: float = setting(0.1, "label smoothing of the loss", min=0, below=1)
+    rdrop_alpha: float = setting(
+        0.0,
+        "R-Drop: every batch twice through the model under two dropout masks, plus this weight times their "
+        "symmetric KL; an update costs 2.5x a plain one on CPU (`scripts/bench_train.py --compare rdrop`); 0 is off",
+        min=0,
+    )
+    clip_norm: float = setting(1.0, "gradient-norm clipping (0: off)", min=0)
+    valid_every: int = setting(0, "updates between validations (0: once per epoch)", min=0)
+    valid_bleu: bool = setting(True, "decode the validation set for BLEU at each validation")
+    best_metric: Literal["bleu", "loss"] = setting("bleu", "what `checkpoint_best.pt` is best at")
+    patience: int = setting(0, "validations without improvement before stopping (0: never stop)", min=0)
+    save_every: int = setting(
+        0, "updates between saves besides validations (checkpoint_last and a step checkpoint); 0: off", min=0
+    )
+    keep_last: int = setting(5, "epoch/step checkpoints kept besides checkpoint_last and checkpoint_best", min=0)
+    average_last: int = setting(
+        0, "how many last checkpoints to average at the end of training (0: off; a warning if fewer were kept)", min=0
+    )
+    log_every: int = setting(50, "updates between log lines", min=1)
+    max_bad_steps: int = setting(20, "non-finite updates tolerated in a row before giving up", min=1)
+    deterministic: bool = setting(False, "deterministic kernels, for reproducibility")
+    # seq2seq.training.setup.data_workers says why auto is 0 on the CPU and a few on CUDA
+    num_workers: int | Literal["auto"] = setting(
+        "auto",
+        "DataLoader processes that collate the next batches while the model trains (0: in the training process; "
+        "auto: 0 on the CPU, where a worker would take a core from the model, and min(4, cores - 1) on CUDA, "
+        "where subword sampling in the training process would leave the GPU waiting)",
+        min=0,
+        max=64,
+    )
+    init_from: str = setting(
+        "",
+        "fine-tuning: start a fresh run from this checkpoint's (or run directory's `checkpoint_best.pt`) weights "
+        'and tokenizer, everything else afresh (see Fine-tuning); `""`: random weights',
+    )
 
-    def __post_init__(self) -> None:
-        _require_text(self.run_dir, "train.run_dir")
-        _require(self.num_workers == "auto" or 0 <= self.num_workers <= 64, "train.num_workers", "must be in [0, 64]")
-        _require_seed(self.seed, "train.seed")
-        _require(self.max_tokens >= 16, "train.max_tokens", "must be at least 16")
-        _require(self.update_freq >= 1, "train.update_freq", "must be at least 1")
-        _require(self.max_epochs >= 0, "train.max_epochs", "must be >= 0")
-        _require(
+    def check(self) -> None:
+        self.require(
             bool(self.max_epochs or self.max_steps or self.max_minutes or self.patience),
-            "train.max_epochs",
-            "0 (no epoch limit) needs train.max_steps, train.max_minutes or train.patience to end the run",
+            "max_epochs",
+            f"0 (no epoch limit) needs {self.key('max_steps')}, {self.key('max_minutes')} or {self.key('patience')} "
+            "to end the run",
         )
-        _require(self.max_steps >= 0, "train.max_steps", "must be >= 0")
-        _require(self.max_minutes >= 0, "train.max_minutes", "must be >= 0")
-        _require(self.lr > 0, "train.lr", "must be positive")
-        _require(all(0.0 <= b < 1.0 for b in self.betas), "train.betas", f"{list(self.betas)} must be in [0, 1)")
-        _require(self.eps > 0, "train.eps", "must be positive")
-        _require(self.weight_decay >= 0, "train.weight_decay", "must be >= 0")
-        _require(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
-        _require(
-            self.schedule != "noam" or self.warmup_steps > 0,
-            "train.warmup_steps",
-            "must be positive for the noam schedule",
+        self.require(
+            self.schedule != "noam" or self.warmup_steps > 0, "warmup_steps", "must be positive for the noam schedule"
         )
-        _require(0.0 <= self.label_smoothing < 1.0, "train.label_smoothing", "must be in [0, 1)")
-        _require(self.rdrop_alpha >= 0, "train.rdrop_alpha", "must be >= 0")
-        _require(self.clip_norm >= 0, "train.clip_norm", "must be >= 0")
-        _require(self.valid_every >= 0, "train.valid_every", "must be >= 0")
-        _require(self.patience >= 0, "train.patience", "must be >= 0")
-        _require(self.save_every >= 0, "train.save_every", "must be >= 0")
-        _require(self.keep_last >= 0, "train.keep_last", "must be >= 0")
-        _require(self.average_last >= 0, "train.average_last", "must be >= 0")
-        _require(
+        self.require(
             self.average_last <= self.keep_last,
-            "train.average_last",
-            f"({self.average_last}) must not exceed train.keep_last ({self.keep_last}): "
+            "average_last",
+            f"({self.average_last}) must not exceed {self.key('keep_last')} ({self.keep_last}): "
             "only the kept step checkpoints can be averaged",
         )
-        _require(self.log_every >= 1, "train.log_every", "must be at least 1")
-        _require(0 <= self.threads <= MAX_THREADS, "train.threads", f"must be in [0, {MAX_THREADS}]")
-        _require(self.max_bad_steps >= 1, "train.max_bad_steps", "must be at least 1")
 
 
 @dataclass(frozen=True)
-class DecodeConfig:
+class DecodeConfig(Section):
     """Search settings for `translate`, `evaluate` and validation BLEU."""
 
-    strategy: Literal["beam", "greedy", "sample"] = "beam"
-    beam_size: int = 5
-    length_penalty: float = 1.0  # GNMT alpha: score / ((5 + len) / 6) ** alpha
-    max_len_a: float = 1.5  # tokens allowed before EOS = floor(a * source length + b) ...
-    max_len_b: int = 10  # (source length in subwords, its EOS included)
-    max_len: int = 256  # ... capped at this
-    min_len: int = 1  # tokens required before EOS
-    nbest: int = 1
-    no_repeat_ngram: int = 0  # 0: off
-    suppress_unk: bool = False
-    temperature: float = 1.0
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0  # 1.0: off
-    seed: int = 1
-    max_tokens: int = 6000  # source tokens per decoding batch
-    max_input_len: int = 0  # subwords (EOS included); longer inputs are truncated with a warning; 0: model limit
-    valid_strategy: Literal["beam", "greedy"] = "greedy"  # used for validation BLEU
+    strategy: Literal["beam", "greedy", "sample"] = setting("beam", "the search")
+    beam_size: int = setting(5, "beam width", min=1, limit=MAX_BEAM)
+    length_penalty: float = setting(
+        1.0,
+        "GNMT alpha: score = log P / ((5 + n) / 6) ** alpha",
+        min=-MAX_LENGTH_PENALTY,
+        max=MAX_LENGTH_PENALTY,
+    )
+    max_len_a: float = setting(
+        1.5,
+        "tokens allowed before EOS: floor(a * source length + b), the source length in subwords with its EOS",
+        min=0,
+        max=MAX_POSITIONS,
+    )
+    max_len_b: int = setting(10, "the b of `decode.max_len_a`", min=0, limit=MAX_POSITIONS)
+    max_len: int = setting(256, "the cap on a * source length + b", min=1, limit=MAX_POSITIONS)
+    min_len: int = setting(1, "tokens required before EOS", min=0)
+    nbest: int = setting(1, "hypotheses returned", min=1, limit=MAX_BEAM)
+    no_repeat_ngram: int = setting(
+        0, "n-gram blocking: no n-gram of this size twice (0: off)", min=0, limit=MAX_POSITIONS
+    )
+    suppress_unk: bool = setting(False, "never emit `<unk>`")
+    temperature: float = setting(1.0, "sampling temperature", min=TEMPERATURES[0], max=TEMPERATURES[1])
+    top_k: int = setting(0, "sampling from the k likeliest tokens (0: off)", min=0, limit=MAX_TOP_K)
+    top_p: float = setting(1.0, "nucleus sampling (1: off)", above=0, max=1)
+    seed: int = setting(1, "sampling seed", min=0, below=INT_LIMIT)
+    max_tokens: int = setting(6000, "source tokens per decoding batch", min=1)
+    max_input_len: int = setting(
+        0,
+        "subwords (EOS included) of the longest input; longer ones are truncated with a warning (0: model limit)",
+        min=0,
+        limit=MAX_POSITIONS,
+    )
+    valid_strategy: Literal["beam", "greedy"] = setting("greedy", "search used for validation BLEU")
 
-    def __post_init__(self) -> None:
-        _require(self.beam_size >= 1, "decode.beam_size", "must be at least 1")
-        _require_at_most(self.beam_size, MAX_BEAM, "decode.beam_size")
-        _require(self.max_len >= 1, "decode.max_len", "must be at least 1")
-        _require_at_most(self.max_len, MAX_POSITIONS, "decode.max_len")
-        _require(0 <= self.max_len_a <= MAX_POSITIONS, "decode.max_len_a", f"must be in [0, {MAX_POSITIONS}]")
-        _require(self.max_len_b >= 0, "decode.max_len_b", "must be >= 0")
-        _require_at_most(self.max_len_b, MAX_POSITIONS, "decode.max_len_b")
-        _require(
-            abs(self.length_penalty) <= MAX_LENGTH_PENALTY,  # also false for NaN
-            "decode.length_penalty",
-            f"must be in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}]; got {self.length_penalty:g}",
-        )
-        _require(
+    def check(self) -> None:
+        self.require(
             self.max_len_a > 0 or self.max_len_b > 0,
-            "decode.max_len_b",
-            "must be positive when decode.max_len_a is 0 (every translation would be cut to decode.min_len tokens)",
+            "max_len_b",
+            f"must be positive when {self.key('max_len_a')} is 0 (every translation would be cut to "
+            f"{self.key('min_len')} tokens)",
         )
-        _require(self.min_len >= 0, "decode.min_len", "must be >= 0")
-        _require(self.min_len <= self.max_len, "decode.min_len", "must not exceed decode.max_len")
-        _require(self.nbest >= 1, "decode.nbest", "must be at least 1")
-        _require_at_most(self.nbest, MAX_BEAM, "decode.nbest")
-        _require(
+        self.require(self.min_len <= self.max_len, "min_len", f"must not exceed {self.key('max_len')}")
+        self.require(
             self.strategy != "beam" or self.nbest <= self.beam_size,
-            "decode.nbest",
-            f"({self.nbest}) must not exceed decode.beam_size ({self.beam_size})",
+            "nbest",
+            f"({self.nbest}) must not exceed {self.key('beam_size')} ({self.beam_size})",
         )
-        _require(self.no_repeat_ngram >= 0, "decode.no_repeat_ngram", "must be >= 0")
-        _require_at_most(self.no_repeat_ngram, MAX_POSITIONS, "decode.no_repeat_ngram")
-        low, high = TEMPERATURES
-        _require(
-            low <= self.temperature <= high,  # also false for NaN
-            "decode.temperature",
-            f"must be in [{low:g}, {high:g}]; got {self.temperature:g}",
-        )
-        _require(self.top_k >= 0, "decode.top_k", "must be >= 0")
-        _require_at_most(self.top_k, MAX_TOP_K, "decode.top_k")
-        _require(0.0 < self.top_p <= 1.0, "decode.top_p", "must be in (0, 1]")
-        _require(self.max_tokens >= 1, "decode.max_tokens", "must be positive")
-        _require(self.max_input_len >= 0, "decode.max_input_len", "must be >= 0")
-        _require_at_most(self.max_input_len, MAX_POSITIONS, "decode.max_input_len")
-        _require_seed(self.seed, "decode.seed")
 
 
 @dataclass(frozen=True)
-class ExperimentConfig:
+class ExperimentConfig(Section):
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
 
-    def __post_init__(self) -> None:
-        _require(
-            self.train.rdrop_alpha == 0 or max(self.model.dropouts()) > 0,
-            "train.rdrop_alpha",
+    def check(self) -> None:
+        data, model, train, decode = self.data, self.model, self.train, self.decode
+        train.require(
+            train.rdrop_alpha == 0 or max(model.dropouts()) > 0,
+            "rdrop_alpha",
             "compares two dropout passes, so it needs some dropout in model",
         )
-        _require(
-            not self.model.share_all_embeddings or self.data.shared_vocab,
-            "model.share_all_embeddings",
-            "needs data.shared_vocab: true (one vocabulary for both languages)",
+        model.require(
+            not model.share_all_embeddings or data.shared_vocab,
+            "share_all_embeddings",
+            f"needs {data.key('shared_vocab')}: true (one vocabulary for both languages)",
         )
-        _require(
-            self.data.max_len < self.model.max_positions,
-            "data.max_len",
-            f"({self.data.max_len}) must be below model.max_positions ({self.model.max_positions})",
-        )
-        _require(
-            self.decode.max_len < self.model.max_positions,
-            "decode.max_len",
-            f"({self.decode.max_len}) must be below model.max_positions ({self.model.max_positions})",
-        )
-
-
-def _require(ok: bool, key: str, message: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key} {message}")
-
-
-def _require_at_most(value: int, limit: int, key: str) -> None:
-    """An upper bound on a size: far beyond any real model, a value above it is a typo (or hostile)."""
-    _require(value <= limit, key, f"must be at most {limit}; got {value}")
-
-
-def _require_text(value: str, key: str) -> None:
-    """Paths and names: an empty one would silently mean the current directory or a file like `.de`."""
-    _require(bool(value.strip()), key, "must not be empty")
-
-
-def _require_seed(seed: int, key: str) -> None:
-    """torch.manual_seed takes [-2**63, 2**64); the seeds derived from it (micro_batch_seed) are in [0, 2**63)."""
-    _require(0 <= seed < INT_LIMIT, key, f"must be in [0, 2**63); got {seed}")
+        positions = f"{model.key('max_positions')} ({model.max_positions})"
+        data.require(data.max_len < model.max_positions, "max_len", f"({data.max_len}) must be below {positions}")
+        decode.require(decode.max_len < model.max_positions, "max_len", f"({decode.max_len}) must be below {positions}")
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
@@ -676,7 +834,7 @@ def _build(cls: type, raw: Any, source: str, prefix: str) -> Any:
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: {where} must be a mapping, got {type(raw).__name__}")
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs: dict[str, Any] = {}
     for key, value in raw.items():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -14,11 +15,13 @@ from conftest import TINY, single_thread_env
 from seq2seq.config import (
     ExperimentConfig,
     RNNConfig,
+    Setting,
     apply_overrides,
     from_dict,
     load_config,
     migrate_model,
     save_config,
+    settings,
     to_dict,
 )
 from seq2seq.errors import ConfigError
@@ -147,7 +150,7 @@ def test_d_model_not_divisible_by_heads(tmp_path: Path) -> None:
         (["train.eps=0"], "train.eps must be positive"),
         (["data.shared_vocab=false"], "model.share_all_embeddings needs data.shared_vocab"),
         (["data.max_len=600"], "data.max_len (600) must be below model.max_positions (512)"),
-        (["data.sampling_nbest=1"], "data.sampling_nbest must be -1 or >= 2"),
+        (["data.sampling_nbest=1"], "data.sampling_nbest must be -1 or at least 2; got 1"),
         (["train.rdrop_alpha=-1"], "train.rdrop_alpha must be >= 0"),
         (["train.rdrop_alpha=5", "model.dropout=0"], "train.rdrop_alpha compares two dropout passes"),
         (["data.spm_model_type=bpe", "data.sampling_alpha=1"], "data.sampling_alpha is a dropout probability"),
@@ -411,3 +414,34 @@ def test_auto_workers_are_none_on_the_cpu_and_a_few_on_cuda() -> None:
     assert data_workers("auto", torch.device("cpu")) == 0
     assert 0 <= data_workers("auto", torch.device("cuda")) <= 4
     assert data_workers(3, torch.device("cpu")) == 3
+
+
+def out_of_bounds(s: Setting) -> list[tuple[str, str]]:
+    """(a value just outside each bound of setting s, as an override's text; what its message must say)."""
+    spec, cases = s.spec, []
+    if spec.min is not None or spec.above is not None:
+        cases.append((spec.min - 1 if spec.min is not None else spec.above, f"must be {spec.bounds()}"))
+    if spec.max is not None or spec.below is not None:
+        cases.append((spec.max + 1 if spec.max is not None else spec.below, f"must be {spec.bounds()}"))
+    if spec.limit is not None:
+        cases.append((spec.limit + 1, f"must be at most {spec.limit}"))
+    cases = [(v, "is out of range" if abs(v) >= 2**63 else needle) for v, needle in cases]  # int64: read as such
+    shown = [(f"[{v}, {v}]" if typing.get_origin(s.kind) is tuple else repr(v), needle) for v, needle in cases]
+    return [(f"{s.key}={text}", needle) for text, needle in shown]
+
+
+BOUND_CASES = [case for s in settings() for case in out_of_bounds(s)]
+
+
+@pytest.mark.parametrize(("override", "needle"), BOUND_CASES, ids=[o for o, _ in BOUND_CASES])
+def test_every_bound_of_the_schema_is_checked_naming_the_key(override: str, needle: str) -> None:
+    """Each bound declared with a setting refuses the value just past it, in one line naming the key."""
+    key = override.split("=")[0]
+    arch = ["model.arch=rnn"] if key.startswith("model.rnn.") else []
+    assert f"{key} {needle}; got " in config_error(None, *arch, override)
+
+
+def test_every_setting_has_its_help() -> None:
+    assert len(BOUND_CASES) > 40
+    for s in settings():
+        assert s.spec.help.strip(), s.key
