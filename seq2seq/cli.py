@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from seq2seq import interrupt
 from seq2seq.app.logs import setup_logging
-from seq2seq.config import config_yaml, load_config
+from seq2seq.config import config_yaml, load_config, reference_table, write_reference
 from seq2seq.errors import ConfigError, UsageError, UserError
 from seq2seq.serve import options as serve_options
 
@@ -81,6 +81,14 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="print a config as it resolves: YAML with every default filled in")
     p.add_argument("--config", help="YAML experiment file (default: the defaults alone)")
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
+    p.add_argument(
+        "--reference",
+        nargs="?",
+        const="-",
+        metavar="FILE",
+        help="print the reference of every setting (a Markdown table) instead, or with FILE (docs/guide.md) "
+        "write it between the markers there",
+    )
     p.set_defaults(run=_config)
 
     p = sub.add_parser("translate", help="translate a file or stdin with a checkpoint")
@@ -243,7 +251,12 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
-    print(config_yaml(load_config(args.config, args.overrides)), end="")
+    if args.reference == "-":
+        print(reference_table(), end="")
+    elif args.reference is not None:
+        print(f"{args.reference}: {'updated' if write_reference(args.reference) else 'already up to date'}")
+    else:
+        print(config_yaml(load_config(args.config, args.overrides)), end="")
     return 0
 
 

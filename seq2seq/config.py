@@ -29,7 +29,7 @@ from typing import Any, Literal, TypeVar, Union
 
 import yaml
 
-from seq2seq.errors import ConfigError
+from seq2seq.errors import ConfigError, UserError
 
 INT_LIMIT = 2**63  # every int setting reaches torch or C code as a 64-bit integer at most
 MAX_THREADS = 1024  # torch.set_num_threads takes a C int; more threads than this is a typo
@@ -230,7 +230,9 @@ class DataConfig(Section):
     plain or gzipped (`.gz` is tried too).
     """
 
-    dir: str = setting("data/multi30k", "directory of the data files, e.g. `{split}.{lang}[.gz]`", nonempty=True)
+    dir: str = setting(
+        "data/multi30k", "directory of the data files (`{split}.{lang}[.gz]`; see `data.format`)", nonempty=True
+    )
     src_lang: str = setting("de", "source language: the suffix of its files", nonempty=True)
     tgt_lang: str = setting("en", "target language: the suffix of its files", nonempty=True)
     train: tuple[str, ...] = setting(
@@ -954,3 +956,72 @@ def config_yaml(cfg: ExperimentConfig) -> str:
 
 def save_config(cfg: ExperimentConfig, path: str | Path) -> None:
     Path(path).write_text(config_yaml(cfg), encoding="utf-8")
+
+
+# The configuration reference of docs/guide.md, generated from the settings' Specs.
+
+REFERENCE_START = "<!-- generated from seq2seq/config.py by `seq2seq config --reference docs/guide.md` -->"
+REFERENCE_END = "<!-- end of the generated configuration reference -->"
+
+
+def reference_table() -> str:
+    """A Markdown table with a row per setting: its key, default, allowed values and help, section by section."""
+    rows = ["| key | default | values | meaning |", "|---|---|---|---|"]
+    for s in settings():
+        cells = [f"`{s.key}`", _default_text(s.default), _values_text(s.kind, s.spec), s.spec.help]
+        rows.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def _default_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, str):
+        return f"`{value}`" if value else '`""`'
+    if isinstance(value, tuple):
+        return "`[" + ", ".join(map(str, value)) + "]`"
+    return _number(value)
+
+
+def _values_text(kind: Any, spec: Spec) -> str:
+    """The values a setting takes, in words: its choices, or its type and bounds."""
+    if typing.get_origin(kind) in (Union, UnionType):
+        return " or ".join(_values_text(option, spec) for option in typing.get_args(kind))
+    if typing.get_origin(kind) is Literal:
+        return ", ".join(f"`{choice}`" for choice in typing.get_args(kind))
+    bounds = spec.bounds(with_limit=True)
+    if typing.get_origin(kind) is tuple:
+        args = typing.get_args(kind)
+        item = _values_text(args[0], Spec(""))
+        text = f"list of {item}" if args[1:] == (Ellipsis,) else f"{len(args)} {item}s"
+        return f"{text}, each {bounds}" if bounds else text
+    name = {bool: "true, false", str: "text"}.get(kind, getattr(kind, "__name__", str(kind)))
+    if spec.nonempty:
+        return f"{name}, not empty"
+    return f"{name}, {bounds}" if bounds else name
+
+
+def _reference_span(text: str, where: str) -> tuple[int, int]:
+    """Where the generated table lies in `text`: between the line of REFERENCE_START and REFERENCE_END."""
+    start, end = text.find(REFERENCE_START), text.find(REFERENCE_END)
+    if start < 0 or end < start:
+        raise UserError(f"{where}: no {REFERENCE_START!r} ... {REFERENCE_END!r} markers to put the reference between")
+    return start + len(REFERENCE_START) + 1, end
+
+
+def reference_in(path: str | Path) -> str:
+    """The configuration reference a file holds between its markers, as committed."""
+    text = Path(path).read_text(encoding="utf-8")
+    start, end = _reference_span(text, str(path))
+    return text[start:end]
+
+
+def write_reference(path: str | Path) -> bool:
+    """Put reference_table() between the markers of `path` (docs/guide.md); whether the file changed."""
+    text = Path(path).read_text(encoding="utf-8")
+    start, end = _reference_span(text, str(path))
+    new = text[:start] + reference_table() + text[end:]
+    if new == text:
+        return False
+    Path(path).write_text(new, encoding="utf-8")
+    return True

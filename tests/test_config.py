@@ -12,7 +12,10 @@ import pytest
 import torch
 from conftest import TINY, single_thread_env
 
+from seq2seq.cli import main
 from seq2seq.config import (
+    REFERENCE_END,
+    REFERENCE_START,
     ExperimentConfig,
     RNNConfig,
     Setting,
@@ -20,6 +23,8 @@ from seq2seq.config import (
     from_dict,
     load_config,
     migrate_model,
+    reference_in,
+    reference_table,
     save_config,
     settings,
     to_dict,
@@ -445,3 +450,28 @@ def test_every_setting_has_its_help() -> None:
     assert len(BOUND_CASES) > 40
     for s in settings():
         assert s.spec.help.strip(), s.key
+
+
+# The configuration reference of docs/guide.md is generated from the settings.
+
+
+def test_the_guides_configuration_reference_is_generated_from_the_settings() -> None:
+    """A setting added, or its default, bounds or help changed, without regenerating the table fails here."""
+    assert reference_in(ROOT / "docs" / "guide.md") == reference_table(), (
+        "docs/guide.md's configuration reference is stale: run `seq2seq config --reference docs/guide.md`"
+    )
+
+
+def test_config_reference_prints_the_table_or_writes_it_between_the_markers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["config", "--reference"]) == 0 and capsys.readouterr().out == reference_table()
+    doc = tmp_path / "doc.md"
+    doc.write_text(f"# Settings\n\n{REFERENCE_START}\n| old |\n{REFERENCE_END}\n\nafter\n", encoding="utf-8")
+    assert main(["config", "--reference", str(doc)]) == 0 and "updated" in capsys.readouterr().out
+    text = doc.read_text(encoding="utf-8")
+    assert text == f"# Settings\n\n{REFERENCE_START}\n{reference_table()}{REFERENCE_END}\n\nafter\n"
+    assert main(["config", "--reference", str(doc)]) == 0 and "already up to date" in capsys.readouterr().out
+    assert doc.read_text(encoding="utf-8") == text
+    doc.write_text("no markers\n", encoding="utf-8")
+    assert main(["config", "--reference", str(doc)]) == 1 and "markers" in capsys.readouterr().err
