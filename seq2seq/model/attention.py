@@ -1,4 +1,4 @@
-"""Multi-head attention (Vaswani et al., 2017, section 3.2), in a teacher-forced pass and in a decoding step.
+"""Multi-head attention (Vaswani et al., 2017, section 3.2): one path for a teacher-forced pass and a decoding step.
 
 Notation: B batch, S source length, T target length, D d_model, H heads,
 Dh head dim (D / H), V vocabulary.
@@ -25,7 +25,8 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from seq2seq.model.cache import LayerCache
-from seq2seq.model.plan import CPU_KERNEL, StepPlan
+from seq2seq.model.packed import plain_linear
+from seq2seq.model.plan import CPU_KERNEL
 from seq2seq.model.positions import RelativePositions, RotaryPositions
 
 Kernels = SDPBackend | list[SDPBackend] | None
@@ -109,11 +110,17 @@ def concat_heads(out: Tensor) -> Tensor:
 
 
 class MultiHeadAttention(nn.Module):
-    """Self- or cross-attention with a fused input projection.
+    """Self- or cross-attention with a fused input projection, in a teacher-forced pass or a decoding step.
 
     One (3D, D) weight holds W_Q, W_K and W_V: self-attention projects all three
     in one matmul; cross-attention projects queries from the decoder and keys
     and values from the encoder output (once per sentence when decoding).
+
+    Both take an optional `cache` (seq2seq.model.cache.LayerCache): without it
+    they attend over the whole input at once; with it they are a decoding step,
+    which reads and extends the cache and runs its projections and kernel as
+    the session's plan says (`cache.plan`). Cross-attention returns its weights
+    beside its output when asked (`need_weights`).
 
     Self-attention may carry positions of its own (`positions`: "rope" or
     "relative", seq2seq.model.positions). Rotary ones go through PyTorch's
@@ -140,13 +147,82 @@ class MultiHeadAttention(nn.Module):
         self.rotary = RotaryPositions(head_dim, max_positions) if positions == "rope" else None
         self.relative = RelativePositions(head_dim, max_relative_distance) if positions == "relative" else None
 
+    def self_attention(
+        self,
+        x: Tensor,
+        mask: Tensor | None = None,
+        causal: bool = False,
+        packing: Packing | None = None,
+        cache: LayerCache | None = None,
+    ) -> Tensor:
+        """Self-attention of x (B, L, D) at positions 0..L-1 -> (B, L, D).
+
+        With `packing`, x (n, D) holds the real positions only, and so does the result.
+        With `cache`, x (N, T, D) holds the positions after the cached ones, whose keys
+        and values it appends to the cache; a step of one position sees every key.
+        """
+        start = 0 if cache is None else cache.length
+        q, k, v = self.project_self(x, packing, cache)
+        if self.rotary is not None:
+            q, k = self.rotary(q, start), self.rotary(k, start)
+        if cache is not None:
+            k, v = cache.append(k, v)  # (N, H, start + T, Dh): the cached keys/values and this step's
+        if self.relative is not None:
+            heads = self.relative_heads(q, k, v, start, mask, causal)
+        else:
+            heads = self.heads(q, k, v, mask, causal, cache)
+        return self.merge_heads(heads, packing, cache)
+
+    def cross_attention(
+        self,
+        x: Tensor,
+        memory: Tensor | None,
+        memory_mask: Tensor | None,
+        cache: LayerCache | None = None,
+        need_weights: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Cross-attention of x (N, T, D) over the encoder output -> (N, T, D), and with `need_weights` the
+        weights (N, H, T, S), spelled out (the fused kernels never form them); else None.
+
+        Without `cache`, keys and values are projected from `memory` (B, S, D) and
+        `memory_mask` (B, 1, 1, S) is True where attention is allowed. With it,
+        they are the cache's, projected once when decoding started, and `memory`
+        goes unused: the `group` rows of one source (a sentence's beam) attend to
+        its single copy of them together, as `group` query positions.
+        """
+        N, T, D = x.shape
+        if cache is None:
+            assert memory is not None and memory_mask is not None
+            k, v = self.project_memory(memory)
+            mask, group, query = memory_mask, 1, plain_linear(*self.query_weights())
+        else:
+            k, v, mask, group, query = (
+                cache.cross_k,
+                cache.cross_v,
+                cache.cross_mask,
+                cache.group,
+                cache.plan.query(self),
+            )
+        q = self.split_heads(query(x).view(-1, group * T, D))  # (G, H, group*T, Dh)
+        weights = None
+        if need_weights:
+            grouped = attention_weights(q, k, mask)  # (G, H, group*T, S)
+            G, H, _, S = grouped.shape
+            weights = grouped.view(G, H, group, T, S).transpose(1, 2).reshape(N, H, T, S)
+            heads = grouped @ v
+        else:
+            heads = self.heads(q, k, v, mask, False, cache, None if cache is None else cache.cross_bias)
+        return self.merge_heads(heads, cache=cache).view(N, T, D), weights
+
     def split_heads(self, x: Tensor) -> Tensor:
         B, L, _ = x.shape
         return x.view(B, L, self.n_heads, -1).transpose(1, 2)  # (B, H, L, Dh)
 
-    def project_self(self, x: Tensor, packing: Packing | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    def project_self(
+        self, x: Tensor, packing: Packing | None = None, cache: LayerCache | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """Queries, keys and values of `x` (B, L, D), or of its real positions (n, D), each (B, H, L, Dh)."""
-        qkv = self.in_proj(x)
+        qkv = (self.in_proj if cache is None else cache.plan.linear(self.in_proj))(x)
         q, k, v = (qkv if packing is None else packing.unpack(qkv)).chunk(3, dim=-1)
         return self.split_heads(q), self.split_heads(k), self.split_heads(v)
 
@@ -158,101 +234,34 @@ class MultiHeadAttention(nn.Module):
         """W_K and W_V stacked (2D, D), and their biases (2D,): views of in_proj."""
         return self.in_proj.weight[self.d_model :], self.in_proj.bias[self.d_model :]
 
-    def project_query(self, x: Tensor) -> Tensor:
-        return self.split_heads(F.linear(x, *self.query_weights()))  # (B, H, T, Dh)
-
     def project_memory(self, memory: Tensor) -> tuple[Tensor, Tensor]:
         """Keys and values of the encoder output (B, S, D), each (B, H, S, Dh)."""
         k, v = F.linear(memory, *self.memory_weights()).chunk(2, dim=-1)
         return self.split_heads(k), self.split_heads(v)
 
-    def attend(
+    def heads(
         self,
         q: Tensor,
         k: Tensor,
         v: Tensor,
-        mask: Tensor | None = None,
-        causal: bool = False,
-        packing: Packing | None = None,
+        mask: Tensor | None,
+        causal: bool,
+        cache: LayerCache | None,
+        bias: Callable[[Tensor], Tensor] | None = None,
     ) -> Tensor:
-        """softmax(Q K^T / sqrt(Dh)) V over heads, then W_O: (B, H, T, Dh) -> (B, T, D), or (n, D) with `packing`."""
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=causal
-        )  # (B, H, T, Dh)
-        return self.merge_heads(out, packing)
+        """softmax(Q K^T / sqrt(Dh)) V per head, (B, H, Lq, Dh): PyTorch's fused kernel (with attention dropout
+        in training), or in a decoding step the kernel of the session's plan (`step_attention`)."""
+        if cache is not None:
+            return step_attention(q, k, v, cache.plan.kernel, mask, bias)
+        dropout = self.dropout if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal)
 
-    def attend_with_weights(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-        """`attend` spelled out, also returning the weights (B, H, T, S), 0 where `mask` forbids.
-
-        Only for looking at the attention (pictures, alignments): the fused kernel
-        never materialises the weights, so decoding and training keep `attend`.
-        """
-        weights = attention_weights(q, k, mask)
-        return self.merge_heads(weights @ v), weights
-
-    def cross_attention(
-        self, x: Tensor, k: Tensor, v: Tensor, mask: Tensor, need_weights: bool = False
-    ) -> tuple[Tensor, Tensor | None]:
-        """Cross-attention of x (B, T, D) over the encoder's keys/values (B, H, S, Dh) -> (B, T, D), and with
-        `need_weights` the weights (B, H, T, S), spelled out (`attend_with_weights`); else the fused kernel."""
-        q = self.project_query(x)
-        if not need_weights:
-            return self.attend(q, k, v, mask), None
-        return self.attend_with_weights(q, k, v, mask)
-
-    def merge_heads(self, out: Tensor, packing: Packing | None = None) -> Tensor:
-        """(B, H, T, Dh) -> W_O applied to the concatenated heads, (B, T, D), or (n, D) at the packed positions."""
+    def merge_heads(self, out: Tensor, packing: Packing | None = None, cache: LayerCache | None = None) -> Tensor:
+        """(B, H, T, Dh) -> W_O applied to the concatenated heads, (B, T, D), or (n, D) at the packed positions;
+        in a decoding step, W_O as the session's plan runs it."""
         heads = concat_heads(out)
-        return self.out_proj(heads if packing is None else packing.pack(heads))
-
-    def self_attention(
-        self, x: Tensor, mask: Tensor | None = None, causal: bool = False, packing: Packing | None = None
-    ) -> Tensor:
-        """Self-attention of x (B, L, D) at positions 0..L-1.
-
-        With `packing`, x (n, D) holds the real positions only, and so does the result.
-        """
-        q, k, v = self.project_self(x, packing)
-        if self.rotary is not None:
-            q, k = self.rotary(q, 0), self.rotary(k, 0)
-        if self.relative is None:
-            return self.attend(q, k, v, mask, causal, packing)
-        return self.attend_relative(q, k, v, 0, mask, causal, packing)
-
-    def step_self_attention(self, x: Tensor, cache: LayerCache, plan: StepPlan) -> Tensor:
-        """A decoding step: x (N, T, D) at the positions after the cached ones, which it appends to the
-        cache; every cached key is visible."""
-        start = cache.length
-        q, k, v = (self.split_heads(t) for t in plan.linear(self.in_proj)(x).chunk(3, dim=-1))  # (N, H, T, Dh)
-        if self.rotary is not None:
-            q, k = self.rotary(q, start), self.rotary(k, start)
-        k, v = cache.append(k, v)
-        if self.relative is not None:
-            heads = self.relative_heads(q, k, v, start, None, False)
-        else:
-            heads = step_attention(q, k, v, plan.kernel)
-        return plan.linear(self.out_proj)(concat_heads(heads))
-
-    def step_cross_attention(
-        self, x: Tensor, cache: LayerCache, plan: StepPlan, need_weights: bool = False
-    ) -> tuple[Tensor, Tensor | None]:
-        """A decoding step's cross-attention of x (N, T, D) over the cached encoder keys/values -> (N, T, D),
-        and with `need_weights` the weights (N, H, T, S), spelled out; else None.
-
-        The `group` rows of one source (a sentence's beam) attend to its single
-        copy of the keys/values together, as `group` query positions.
-        """
-        N, T, D = x.shape
-        q = self.split_heads(plan.query(self)(x).view(-1, cache.group * T, D))  # (G, H, group*T, Dh)
-        weights = None
-        if not need_weights:
-            heads = step_attention(q, cache.cross_k, cache.cross_v, plan.kernel, cache.cross_mask, cache.cross_bias)
-        else:
-            grouped = attention_weights(q, cache.cross_k, cache.cross_mask)  # (G, H, group*T, S)
-            G, H, _, S = grouped.shape
-            weights = grouped.view(G, H, cache.group, T, S).transpose(1, 2).reshape(N, H, T, S)
-            heads = grouped @ cache.cross_v
-        return plan.linear(self.out_proj)(concat_heads(heads)).view(N, T, D), weights
+        out_proj = self.out_proj if cache is None else cache.plan.linear(self.out_proj)
+        return out_proj(heads if packing is None else packing.pack(heads))
 
     def scores(self, q: Tensor, k: Tensor, q_start: int, k_start: int = 0) -> Tensor:
         """Pre-softmax scores (B, H, Lq, Lk) of queries at q_start.. against keys at k_start..
@@ -265,21 +274,8 @@ class MultiHeadAttention(nn.Module):
             scores = scores + self.relative.score_bias(q, index)
         return scores / math.sqrt(q.shape[-1])
 
-    def attend_relative(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        start: int,
-        mask: Tensor | None,
-        causal: bool,
-        packing: Packing | None = None,
-    ) -> Tensor:
-        """Shaw et al.'s attention for queries at start.. over keys at 0..: (B, H, Lq, Dh) -> (B, Lq, D)."""
-        return self.merge_heads(self.relative_heads(q, k, v, start, mask, causal), packing)
-
     def relative_heads(self, q: Tensor, k: Tensor, v: Tensor, start: int, mask: Tensor | None, causal: bool) -> Tensor:
-        """attend_relative before W_O: the heads' outputs (B, H, Lq, Dh)."""
+        """Shaw et al.'s attention for queries at start.. over keys at 0.., before W_O: (B, H, Lq, Dh)."""
         assert self.relative is not None
         scores = self.scores(q, k, start)  # (B, H, Lq, Lk)
         if mask is not None:

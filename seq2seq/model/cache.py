@@ -34,6 +34,11 @@ class LayerCache:
         self.cross_v = cache.cross[index, 1]
 
     @property
+    def plan(self) -> StepPlan:
+        """How the session's steps run its projections and attention (seq2seq.model.plan)."""
+        return self.cache.plan
+
+    @property
     def length(self) -> int:
         """Positions cached so far: the absolute position of the next one."""
         return self.cache.step

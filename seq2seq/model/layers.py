@@ -20,7 +20,6 @@ from seq2seq.config import TransformerConfig
 from seq2seq.model.attention import MultiHeadAttention, Packing
 from seq2seq.model.cache import LayerCache
 from seq2seq.model.dropout import Dropout, add_dropout
-from seq2seq.model.plan import StepPlan
 
 Extra = TypeVar("Extra")
 
@@ -130,27 +129,24 @@ class DecoderLayer(nn.Module):
         self.ffn_block = Residual(d_model, dropout, norm_first, options.norm(d_model))
 
     def forward(
-        self, x: Tensor, memory: Tensor, memory_mask: Tensor, need_weights: bool = False
+        self,
+        x: Tensor,
+        memory: Tensor | None,
+        memory_mask: Tensor | None,
+        cache: LayerCache | None = None,
+        need_weights: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
-        """Teacher-forced pass. x: (B, T, D); memory: (B, S, D); memory_mask: (B, 1, 1, S).
+        """x (B, T, D) through the layer -> (B, T, D) and, with `need_weights`, the cross-attention weights
+        (B, H, T, S); else None.
 
-        Returns (B, T, D) and, with `need_weights`, the cross-attention weights (B, H, T, S); else None.
+        Without `cache`, a teacher-forced pass over the encoder output `memory` (B, S, D),
+        `memory_mask` (B, 1, 1, S) True where allowed. With it, a decoding step: x holds the
+        positions after the cached ones, whose keys/values are appended to `cache`, the
+        encoder's keys/values are the cache's (`memory` goes unused), and every projection
+        runs as the session's plan says (`cache.plan`, seq2seq.model.plan).
         """
-        x = self.self_block(x, lambda h: self.self_attn.self_attention(h, causal=True))
-        k, v = self.cross_attn.project_memory(memory)
+        x = self.self_block(x, lambda h: self.self_attn.self_attention(h, causal=True, cache=cache))
         x, weights = self.cross_block.around(
-            x, lambda h: self.cross_attn.cross_attention(h, k, v, memory_mask, need_weights)
+            x, lambda h: self.cross_attn.cross_attention(h, memory, memory_mask, cache, need_weights)
         )
-        return self.ffn_block(x, self.ffn), weights
-
-    def step(
-        self, x: Tensor, cache: LayerCache, plan: StepPlan, need_weights: bool = False
-    ) -> tuple[Tensor, Tensor | None]:
-        """One incremental position x (N, 1, D) through this layer's own modules, each run as the session's
-        `plan` says (seq2seq.model.plan); appends this step's keys/values to `cache`. Returns (N, 1, D) and,
-        with `need_weights`, the cross-attention weights (N, H, 1, S); else None."""
-        x = self.self_block(x, lambda h: self.self_attn.step_self_attention(h, cache, plan))
-        x, weights = self.cross_block.around(
-            x, lambda h: self.cross_attn.step_cross_attention(h, cache, plan, need_weights)
-        )
-        return self.ffn_block(x, plan.linear(self.ffn)), weights
+        return self.ffn_block(x, self.ffn if cache is None else cache.plan.linear(self.ffn)), weights

@@ -39,9 +39,8 @@ class StepPlan:
     A step asks it in one way only: `linear(module)` for a projection (and
     `query(attention)` for a cross-attention's W_Q, a slice of its in_proj,
     cut once per session rather than at every step).
-    The kernel is the attention of a step that records nothing; while an
-    attention record is active (seq2seq.model.record), cross-attention spells
-    the attention out instead, to keep the weights.
+    The kernel is the attention of a step; a cross-attention whose weights are
+    asked for (`need_weights`) spells the attention out instead, to return them.
     """
 
     linears: Mapping[nn.Module, Linear]  # what runs instead of a module: packed copies; a cross-attention's W_Q

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from seq2seq.config import ModelConfig
 from seq2seq.model.attention import MultiHeadAttention, Packing, attention_mask
-from seq2seq.model.cache import DecoderCache
+from seq2seq.model.cache import DecoderCache, LayerCache
 from seq2seq.model.dropout import Dropout
 from seq2seq.model.layers import DecoderLayer, EncoderLayer, FeedForward, LayerOptions
 from seq2seq.model.packed import (
@@ -124,13 +124,7 @@ class Decoder(nn.Module):
     ) -> tuple[Tensor, list[Tensor]]:
         """`forward`'s logits and, with `need_weights`, each layer's cross-attention weights (B, H, T, S),
         bottom first; without, an empty list."""
-        x = self.embedding(tgt_in)  # (B, T, D)
-        weights: list[Tensor] = []
-        for layer in self.layers:
-            x, layer_weights = layer(x, memory, memory_mask, need_weights)
-            if layer_weights is not None:
-                weights.append(layer_weights)
-        x = self.final_norm(x)
+        x, weights = self.layer_stack(self.embedding(tgt_in), memory, memory_mask, None, need_weights)  # (B, T, D)
         if select is not None:
             x = x[select]  # (N, D): project only the positions that are scored
         return self.output(x), weights  # (B, T, V) or (N, V)
@@ -139,17 +133,31 @@ class Decoder(nn.Module):
         """Logits (N, V) for the next position; each layer runs as the session's plan (`cache.plan`) says.
         When the cache carries an attention record, the layers are asked for their cross-attention weights,
         which the record keeps."""
-        plan, record = cache.plan, cache.attention
+        record = cache.attention
         x = self.embedding(cache.stored(tokens), start=cache.step)  # (P, 1, D)
-        weights: list[Tensor] = []
-        for layer, layer_cache in zip(self.decoder_layers(), cache.layers):
-            x, layer_weights = layer.step(x, layer_cache, plan, record is not None)
-            if layer_weights is not None:
-                weights.append(layer_weights)
+        x, weights = self.layer_stack(x, None, None, cache, need_weights=record is not None)
         if record is not None:
             record.end_step(weights, cache.searched)  # (N, L, H, S)
         cache.step += 1
-        return plan.linear(self.output)(cache.searched(self.final_norm(x)[:, 0]))  # (N, V)
+        return cache.plan.linear(self.output)(cache.searched(x[:, 0]))  # (N, V)
+
+    def layer_stack(
+        self,
+        x: Tensor,
+        memory: Tensor | None,
+        memory_mask: Tensor | None,
+        cache: DecoderCache | None,
+        need_weights: bool,
+    ) -> tuple[Tensor, list[Tensor]]:
+        """x (B, T, D) through every layer and the final norm, each layer with its part of `cache` when there is
+        one (`DecoderLayer.forward`), and with `need_weights` each layer's cross-attention weights, bottom first."""
+        caches: list[LayerCache | None] = [None] * len(self.layers) if cache is None else list(cache.layers)
+        weights: list[Tensor] = []
+        for layer, layer_cache in zip(self.decoder_layers(), caches):
+            x, layer_weights = layer(x, memory, memory_mask, layer_cache, need_weights)
+            if layer_weights is not None:
+                weights.append(layer_weights)
+        return self.final_norm(x), weights
 
     def decoder_layers(self) -> list[DecoderLayer]:
         return [cast(DecoderLayer, layer) for layer in self.layers]
