@@ -35,8 +35,8 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from seq2seq.config import ModelConfig
+from seq2seq.model.embedding import Embedding, output_layer, token_embeddings
 from seq2seq.model.record import AttentionRecord
-from seq2seq.model.transformer import Embedding, output_layer, token_embeddings
 
 State = tuple[Tensor, ...]  # (h,) for a GRU, (h, c) for an LSTM; each (L, B, H)
 
