@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -20,8 +19,6 @@ from seq2seq.config import TransformerConfig
 from seq2seq.model.attention import MultiHeadAttention, Packing
 from seq2seq.model.cache import LayerCache
 from seq2seq.model.dropout import Dropout, add_dropout
-
-Extra = TypeVar("Extra")
 
 
 @dataclass(frozen=True)
@@ -65,21 +62,16 @@ class Residual(nn.Module):
         self.norm_first = norm_first
 
     def forward(self, x: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
-        p, training = self.dropout.p, self.training
-        if self.norm_first:
-            return add_dropout(x, sublayer(self.norm(x)), p, training)
-        return self.norm(add_dropout(x, sublayer(x), p, training))
+        return self.leave(x, sublayer(self.enter(x)))
 
-    def around(self, x: Tensor, sublayer: Callable[[Tensor], tuple[Tensor, Extra]]) -> tuple[Tensor, Extra]:
-        """`forward` for a sub-layer that returns something beside its output (attention weights): passed on."""
-        extra: list[Extra] = []
+    def enter(self, x: Tensor) -> Tensor:
+        """What the sub-layer reads: LN(x) for pre-norm, x for post-norm."""
+        return self.norm(x) if self.norm_first else x
 
-        def output(h: Tensor) -> Tensor:
-            out, more = sublayer(h)
-            extra.append(more)
-            return out
-
-        return self.forward(x, output), extra[0]
+    def leave(self, x: Tensor, out: Tensor) -> Tensor:
+        """The sub-layer's output `out` added to x, with dropout, then LN for post-norm."""
+        added = add_dropout(x, out, self.dropout.p, self.training)
+        return added if self.norm_first else self.norm(added)
 
 
 class EncoderLayer(nn.Module):
@@ -146,7 +138,8 @@ class DecoderLayer(nn.Module):
         runs as the session's plan says (`cache.plan`, seq2seq.model.plan).
         """
         x = self.self_block(x, lambda h: self.self_attn.self_attention(h, causal=True, cache=cache))
-        x, weights = self.cross_block.around(
-            x, lambda h: self.cross_attn.cross_attention(h, memory, memory_mask, cache, need_weights)
+        out, weights = self.cross_attn.cross_attention(
+            self.cross_block.enter(x), memory, memory_mask, cache, need_weights
         )
+        x = self.cross_block.leave(x, out)
         return self.ffn_block(x, self.ffn if cache is None else cache.plan.linear(self.ffn)), weights
