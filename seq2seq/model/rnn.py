@@ -221,16 +221,12 @@ class RNNDecoder(nn.Module):
         return self.output(a), weights  # (B, T, V) or (N, V)
 
     def step(self, tokens: Tensor, cache: RNNCache) -> Tensor:
-        """Logits (B, V) for the next position; the cache's attention record, when it has one, keeps the
-        alignment weights."""
-        x = self.embedding(tokens)  # (B, 1, D)
-        if self.attention is None:
-            a = self.fixed_vector_steps(x, cache)[:, 0]
-        else:
-            a, weights = self.attend_step(x[:, 0], cache)
-            if cache.attention is not None:
-                cache.attention.end_step([weights[:, None, None, :]])  # one layer, one head, one position
-        return self.output(self.dropout(a))  # (B, V)
+        """Logits (B, V) for the next position, given the last tokens (B, 1): `run` over one position; the
+        cache's attention record, when it has one, keeps the alignment weights."""
+        logits, weights = self.run(tokens, cache)
+        if cache.attention is not None:
+            cache.attention.end_step([w[:, None, None, :] for w in weights])  # one layer, one head, one position
+        return logits[:, 0]  # (B, V)
 
     def fixed_vector_steps(self, x: Tensor, cache: RNNCache) -> Tensor:
         """Steps without attention, the whole target in one call (training) or one (search):
