@@ -34,8 +34,10 @@ RNN = (
     "train.keep_last=2",
 )
 # Overrides of configs/tiny.yaml, and the share of test sentences each must reverse exactly after 20 epochs.
-# The fixed-vector RNN has the whole sentence in one state and gets less (0.85 when measured) than the
-# models that attend (0.9 and more): the point of the second lecture, on a toy.
+# The fixed-vector RNN has the whole sentence in one state and gets less (0.81-0.88 when measured) than the
+# models that attend (0.92 and more): the point of the second lecture, on a toy. Measured on one machine as
+# three CPU kinds (AVX-512, AVX2, no vector kernels): what a run learns moves with the kernels, so each
+# bound leaves room below the lowest value seen.
 ARCHITECTURES: dict[str, tuple[tuple[str, ...], float]] = {
     "rnn-lstm-general": (
         ("model.arch=rnn", "model.transformer=null", "model.rnn.attention=general", "model.rnn.hidden_size=64"),
@@ -43,7 +45,7 @@ ARCHITECTURES: dict[str, tuple[tuple[str, ...], float]] = {
     ),
     "rnn-lstm-none": (
         ("model.arch=rnn", "model.transformer=null", "model.rnn.attention=none", "model.rnn.hidden_size=128"),
-        0.75,
+        0.75,  # 0.81-0.88 when measured
     ),
     "rnn-gru-none-context": (
         (
@@ -54,7 +56,7 @@ ARCHITECTURES: dict[str, tuple[tuple[str, ...], float]] = {
             "model.rnn.context_every_step=true",
             "model.rnn.hidden_size=128",
         ),
-        0.75,  # 0.85 when measured, as the LSTM without the context at every step
+        0.75,  # 0.85 when measured on each kind, about the LSTM's without the context at every step
     ),
     "rnn-gru-dot": (
         (
@@ -70,7 +72,10 @@ ARCHITECTURES: dict[str, tuple[tuple[str, ...], float]] = {
         ("model.arch=rnn", "model.transformer=null", "model.rnn.attention=mlp", "model.rnn.hidden_size=64"),
         0.9,
     ),
-    "transformer-rope-rmsnorm": (("model.transformer.positions=rope", "model.transformer.norm_type=rmsnorm"), 0.9),
+    "transformer-rope-rmsnorm": (
+        ("model.transformer.positions=rope", "model.transformer.norm_type=rmsnorm"),
+        0.85,  # 0.92-0.98 when measured
+    ),
     "transformer-relative-post": (
         (
             "model.transformer.positions=relative",
