@@ -236,3 +236,21 @@ def test_gpu_check_says_there_is_no_cuda_device_and_succeeds() -> None:
     done = subprocess.run(["bash", str(SCRIPTS / "gpu_check.sh")], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "no CUDA device: nothing to check" in done.stdout
+
+
+def test_cpu_kinds_runs_marked_tests_as_another_cpu_kind_and_names_failures(tmp_path: Path) -> None:
+    """One quick marked test as a CPU without vector kernels would run it (not marked itself: the script runs
+    the marked tests, this one among them it would start itself again)."""
+    env = {**single_thread_env(), "CPU_KINDS_LOGS": str(tmp_path / "logs")}
+    test = "tests/test_training.py::test_a_nan_loss_skips_the_update_with_a_warning"
+    script = ["bash", str(SCRIPTS / "cpu_kinds.sh")]
+    done = subprocess.run([*script, "default", "--", test], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "ATEN_CPU_CAPABILITY=default" in done.stdout and "every kind passed" in done.stdout.splitlines()[-1]
+    assert "1 passed" in (tmp_path / "logs" / "default.log").read_text()
+    failing = subprocess.run(
+        [*script, "default", "--", test, "-k", "nan", "--deselect", test], cwd=ROOT, env=env, capture_output=True
+    )
+    assert failing.returncode == 1 and b"failed: default" in failing.stdout  # nothing ran: pytest's exit 5
+    unknown = subprocess.run([*script, "sse9"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert unknown.returncode == 2 and "cannot run kind 'sse9'" in unknown.stderr

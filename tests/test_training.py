@@ -292,7 +292,13 @@ def _start(corpus: Path, run_dir: Path, *extra: str) -> tuple[subprocess.Popen[b
         *tiny_overrides(corpus, run_dir, *FAST, *extra),
     ]
     with open(stderr, "wb") as err:
-        proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
+        proc = subprocess.Popen(
+            args,
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # undo a shell's SIG_IGN (a `cmd &`)
+        )
     return proc, stderr
 
 
