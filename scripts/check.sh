@@ -5,4 +5,6 @@ cd "$(dirname "$0")/.."
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy
-.venv/bin/python -m pytest "$@"
+# The tests in TEST_PROCESSES processes (default 2; 0: this one), a file's tests kept together so that its fixtures
+# are built once (pytest-xdist): most tests run on one thread, so two processes keep a 2-core machine busy.
+.venv/bin/python -m pytest -n "${TEST_PROCESSES:-2}" --dist loadfile "$@"
