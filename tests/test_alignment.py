@@ -95,6 +95,7 @@ def test_the_reversal_model_aligns_each_word_with_its_mirror_image(checkpoint: P
 
 
 @pytest.mark.slow
+@pytest.mark.trains
 def test_a_copy_model_aligns_words_on_the_diagonal(tmp_path: Path) -> None:
     """A tiny Transformer trained to copy sentences (about 40 s). On the diagonal, of 50: 49 or 50 once;
     after the training-speed changes (other dropout masks), 44, 50, 50, 49 for training seeds 1-4, so the
