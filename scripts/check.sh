@@ -6,5 +6,8 @@ cd "$(dirname "$0")/.."
 .venv/bin/ruff format --check .
 .venv/bin/mypy
 # The tests in TEST_PROCESSES processes (default 2; 0: this one), a file's tests kept together so that its fixtures
-# are built once (pytest-xdist): most tests run on one thread, so two processes keep a 2-core machine busy.
-.venv/bin/python -m pytest -n "${TEST_PROCESSES:-2}" --dist loadfile "$@"
+# are built once (pytest-xdist, of the dev extra; without it, in this process): most tests run on one thread, so
+# two processes keep a 2-core machine busy.
+parallel=()
+if .venv/bin/python -c "import xdist" 2> /dev/null; then parallel=(-n "${TEST_PROCESSES:-2}" --dist loadfile); fi
+.venv/bin/python -m pytest "${parallel[@]}" "$@"
