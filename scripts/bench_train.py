@@ -284,7 +284,6 @@ class _TimedLoop:
         self.batches: list[tuple[list[Batch], int, float]] = []
         self.loop: list[float] = []
         self.alone: list[float] = []
-        self.params, self.precision = 0, update.precision
 
     def __getattr__(self, name: str) -> object:  # optimizer, scaler, ... for the trainer's checkpoints
         return getattr(self.update, name)
@@ -339,15 +338,14 @@ def _bench_trainer(args: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         trainer = Trainer(cfg)
         d, t = cfg.data, cfg.train
+        params = sum(p.numel() for p in trainer.model.parameters())
         print(f"\n{args.config} {' '.join(args.set)}: set up in {time.perf_counter() - t0:.0f} s")
         print(
-            f"  {sum(p.numel() for p in trainer.model.parameters()) / 1e6:.1f}M parameters, "
+            f"  {params / 1e6:.1f}M parameters, "
             f"{trainer.update.precision}, max_tokens {t.max_tokens}, update_freq {t.update_freq}, "
             f"sampling_alpha {d.sampling_alpha}, num_workers {t.num_workers}"
         )
         timed = _TimedLoop(trainer.update, trainer, args)
-        timed.params = sum(p.numel() for p in trainer.model.parameters())
-        timed.precision = trainer.update.precision
         trainer.update = timed  # type: ignore[assignment]
         try:
             trainer.fit()
@@ -362,7 +360,7 @@ def _bench_trainer(args: argparse.Namespace) -> None:
         f"  median: update step {statistics.median(timed.alone):.0f} tok/s, "
         f"seq2seq train {statistics.median(timed.loop):.0f} tok/s"
     )
-    _utilisation(timed.params, statistics.median(timed.loop), timed.precision, timed.trainer.device)
+    _utilisation(params, statistics.median(timed.loop), timed.update.precision, timed.trainer.device)
     print(
         f"ratio (seq2seq train / its update step): {statistics.median(ratios):.2f} median of {len(ratios)} rounds "
         f"(min {min(ratios):.2f}, max {max(ratios):.2f})"

@@ -239,7 +239,7 @@ class Trainer:
             seconds = time.monotonic() - began
             self.validation_seconds += seconds
             minutes = self.elapsed() / 60
-            share = self.validation_seconds / max(self.elapsed() - self.progress.elapsed, 1e-9)
+            share = self.validation_seconds / max(time.monotonic() - self.start_time, 1e-9)
             log.info("validation took %.1f s; %.0f%% of this session's training time so far", seconds, 100 * share)
             monitor.log_validation(self.writer, p.step, scores, minutes, self.validator.examples)
             self.metrics.write("valid", p.step, p.epoch, **scores, minutes=minutes, seconds=seconds, share=share)
