@@ -1,4 +1,4 @@
-"""The `seq2seq` command: download, prepare, train, translate, evaluate, average, export, serve, config.
+"""The `seq2seq` command: download, prepare, train, translate, evaluate, average, export, serve, recipe, config.
 
 Each subcommand turns its arguments into options and calls one function of
 the application layer (seq2seq.app) or the library. Known problems (bad
@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, TypeVar
 
-from seq2seq import interrupt
+from seq2seq import interrupt, recipe_args
 from seq2seq.app.logs import setup_logging
 from seq2seq.config import config_yaml, load_config, reference_table, write_reference
 from seq2seq.errors import ConfigError, UsageError, UserError
@@ -167,6 +167,12 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_args(p, required=False)
     serve_options.add_arguments(p)
     p.set_defaults(run=_serve)
+
+    p = sub.add_parser(
+        "recipe", help="a whole recipe: train, average, pick on val, test, distill; a rerun skips finished steps"
+    )
+    recipe_args.add_arguments(p)
+    p.set_defaults(run=_recipe)
     return parser
 
 
@@ -319,3 +325,17 @@ def _serve(args: argparse.Namespace) -> int:
         for name, paths in serve_options.served_models(args.checkpoint or [], args.model, args.compare)
     }
     return serve(lambda: {name: open_engine(model) for name, model in models.items()}, options)
+
+
+def _recipe(args: argparse.Namespace) -> int:
+    from seq2seq.app.recipe import StepFailed, markdown, run_recipe
+
+    try:
+        results = run_recipe(recipe_args.options(args))
+    except StepFailed as e:  # the subcommand said why on stderr; its exit code is the recipe's
+        print(f"seq2seq: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt as e:
+        return interrupt.report(e, "; run the same command to go on from where it stopped")
+    print(markdown(results), end="")
+    return 0
