@@ -79,6 +79,7 @@ from seq2seq.data import Batch, bucket, collate_pairs, read_parallel
 from seq2seq.device import resolve_precision
 from seq2seq.model import Kernels, training_kernel
 from seq2seq.tokenizer import Tokenizer, train_tokenizer
+from seq2seq.training.assembly import TrainingRun, assemble
 from seq2seq.training.epochs import epoch_seed
 from seq2seq.training.trainer import Trainer
 from seq2seq.training.update import Launched, UpdateStep
@@ -154,12 +155,11 @@ def main() -> None:
     tokenizer = _tokenizer(args)
     for name in args.models:
         with tempfile.TemporaryDirectory() as run_dir:
-            cfg = _config(args, name, run_dir)
-            trainer = Trainer(cfg, tokenizer)
+            parts = assemble(_config(args, name, run_dir), tokenizer)  # the parts `seq2seq train` would run
             try:
-                _bench(trainer, name, args)
+                _bench(parts, name, args)
             finally:
-                trainer.close()
+                parts.close()
 
 
 def _parse() -> argparse.Namespace:
@@ -224,30 +224,30 @@ def _config(args: argparse.Namespace, name: str, run_dir: str) -> ExperimentConf
     return load_config(ROOT / "configs/quickstart.yaml", overrides)
 
 
-def _bench(trainer: Trainer, name: str, args: argparse.Namespace) -> None:
+def _bench(parts: TrainingRun, name: str, args: argparse.Namespace) -> None:
     """Interleave the two settings round by round on the same batches; print per-round rates and medians."""
     settings = SETTINGS[args.compare]
     first, second = settings
     n = args.steps * args.rounds
     if args.compare == "batching":
-        batches_of = {s: _epoch_batches(trainer, ties=s == "both-sides", n=n) for s in settings}
+        batches_of = {s: _epoch_batches(parts, ties=s == "both-sides", n=n) for s in settings}
     else:
-        batches_of = dict.fromkeys(settings, [trainer.epochs.batch(1, j) for j in range(n)])
-    n_params = sum(p.numel() for p in trainer.model.parameters()) / 1e6
+        batches_of = dict.fromkeys(settings, [parts.epochs.batch(1, j) for j in range(n)])
+    n_params = sum(p.numel() for p in parts.model.parameters()) / 1e6
     mean_tokens = statistics.mean(b.n_tokens for b in batches_of[first])
     print(f"\n{name}: {n_params:.1f}M parameters, batches of {mean_tokens:.0f} target tokens on average")
-    updates = {s: _update_step(trainer, settings[s]) for s in settings}
+    updates = {s: _update_step(parts, settings[s]) for s in settings}
     steps = itertools.count(1)
     for s in settings:  # warm-up: kernel selection, allocator, compilation
         start = time.perf_counter()
-        _rate(updates[s], trainer, steps, batches_of[s][:1])
+        _rate(updates[s], parts, steps, batches_of[s][:1])
         print(f"  first update, {s}: {time.perf_counter() - start:.1f} s")
     rates: dict[str, list[float]] = {s: [] for s in settings}
     ratios = []
     for r in range(args.rounds):
         chunk = slice(r * args.steps, (r + 1) * args.steps)
         order = [first, second] if r % 2 == 0 else [second, first]
-        now = {s: _rate(updates[s], trainer, steps, batches_of[s][chunk]) for s in order}
+        now = {s: _rate(updates[s], parts, steps, batches_of[s][chunk]) for s in order}
         for s in settings:
             rates[s].append(now[s])
         ratios.append(now[second] / now[first])
@@ -273,19 +273,19 @@ class _RoundDone(Exception):
 
 
 class _TimedLoop:
-    """Stands in for the trainer's `UpdateStep`: lets the loop run `steps` updates a round, timing them from
+    """Stands in for the run's `UpdateStep`: lets the loop run `steps` updates a round, timing them from
     the first update's launch to the launch after the last one (so the loop's fetch of each batch is inside),
     then runs the same batches through the update step alone, outside the loop's timeline."""
 
-    def __init__(self, update: UpdateStep, trainer: Trainer, args: argparse.Namespace) -> None:
-        self.update, self.trainer, self.args = update, trainer, args
-        self.sync = torch.cuda.synchronize if trainer.device.type == "cuda" else lambda: None
+    def __init__(self, update: UpdateStep, parts: TrainingRun, args: argparse.Namespace) -> None:
+        self.update, self.parts, self.args = update, parts, args
+        self.sync = torch.cuda.synchronize if parts.device.type == "cuda" else lambda: None
         self.calls, self.round_start = 0, 0.0
         self.batches: list[tuple[list[Batch], int, float]] = []
         self.loop: list[float] = []
         self.alone: list[float] = []
 
-    def __getattr__(self, name: str) -> object:  # optimizer, scaler, ... for the trainer's checkpoints
+    def __getattr__(self, name: str) -> object:  # optimizer, scaler, ... for the run's checkpoints
         return getattr(self.update, name)
 
     def launch(self, batches: list[Batch], step: int, lr: float) -> Launched:
@@ -336,17 +336,18 @@ def _bench_trainer(args: argparse.Namespace) -> None:
         ]
         cfg = load_config(args.config, overrides)
         t0 = time.perf_counter()
-        trainer = Trainer(cfg)
+        parts = assemble(cfg)
         d, t = cfg.data, cfg.train
-        params = sum(p.numel() for p in trainer.model.parameters())
+        params = sum(p.numel() for p in parts.model.parameters())
         print(f"\n{args.config} {' '.join(args.set)}: set up in {time.perf_counter() - t0:.0f} s")
         print(
             f"  {params / 1e6:.1f}M parameters, "
-            f"{trainer.update.precision}, max_tokens {t.max_tokens}, update_freq {t.update_freq}, "
+            f"{parts.update.precision}, max_tokens {t.max_tokens}, update_freq {t.update_freq}, "
             f"sampling_alpha {d.sampling_alpha}, num_workers {t.num_workers}"
         )
-        timed = _TimedLoop(trainer.update, trainer, args)
-        trainer.update = timed  # type: ignore[assignment]
+        timed = _TimedLoop(parts.update, parts, args)
+        parts.update = timed  # type: ignore[assignment]
+        trainer = Trainer(parts)
         try:
             trainer.fit()
         except _RoundDone:
@@ -360,7 +361,7 @@ def _bench_trainer(args: argparse.Namespace) -> None:
         f"  median: update step {statistics.median(timed.alone):.0f} tok/s, "
         f"seq2seq train {statistics.median(timed.loop):.0f} tok/s"
     )
-    _utilisation(params, statistics.median(timed.loop), timed.update.precision, timed.trainer.device)
+    _utilisation(params, statistics.median(timed.loop), timed.update.precision, timed.parts.device)
     print(
         f"ratio (seq2seq train / its update step): {statistics.median(ratios):.2f} median of {len(ratios)} rounds "
         f"(min {min(ratios):.2f}, max {max(ratios):.2f})"
@@ -390,10 +391,10 @@ def _utilisation(params: int, tokens_per_s: float, precision: str, device: torch
     )
 
 
-def _epoch_batches(trainer: Trainer, ties: bool, n: int) -> list[Batch]:
+def _epoch_batches(parts: TrainingRun, ties: bool, n: int) -> list[Batch]:
     """n batches (a random sample) of epoch 1: the trainer's, or (ties=False) cut from the same shuffle sorted by
     the longer side only; prints the padding share of each side over the whole epoch."""
-    epochs, corpus = trainer.epochs, trainer.epochs.corpus
+    epochs, corpus = parts.epochs, parts.epochs.corpus
     if ties:
         order, bounds = epochs.batches(1).order, epochs.batches(1).bounds
     else:
@@ -426,27 +427,27 @@ def _bench_matmul(rounds: int) -> None:
     print(f"matmul 4096x512 @ 512x2048: fp32 {fp32:.0f} GFLOP/s, bf16 {bf16:.0f} GFLOP/s ({bf16 / fp32:.2f}x)")
 
 
-def _update_step(trainer: Trainer, setting: Setting) -> UpdateStep:
-    """The trainer's update (same model and optimizer) with one setting changed; `auto` is this device's choice."""
-    precision = resolve_precision(setting.precision, trainer.device)
+def _update_step(parts: TrainingRun, setting: Setting) -> UpdateStep:
+    """The run's update (same model and optimizer) with one setting changed; `auto` is this device's choice."""
+    precision = resolve_precision(setting.precision, parts.device)
     kernel = setting.kernel
     if kernel == TRAINERS:
-        kernel = training_kernel(trainer.device, precision)
+        kernel = training_kernel(parts.device, precision)
     assert not isinstance(kernel, str)
-    model = torch.compile(trainer.model, dynamic=True) if setting.compiled else trainer.model  # the same parameters
+    model = torch.compile(parts.model, dynamic=True) if setting.compiled else parts.model  # the same parameters
     return dataclasses.replace(
-        trainer.update, model=model, precision=precision, attention_kernel=kernel, rdrop_alpha=setting.rdrop
+        parts.update, model=model, precision=precision, attention_kernel=kernel, rdrop_alpha=setting.rdrop
     )
 
 
-def _rate(update: UpdateStep, trainer: Trainer, steps: Iterator[int], batches: list[Batch]) -> float:
+def _rate(update: UpdateStep, parts: TrainingRun, steps: Iterator[int], batches: list[Batch]) -> float:
     """Target tokens per second of full training updates, one batch per update."""
-    synchronize = torch.cuda.synchronize if trainer.device.type == "cuda" else lambda: None
+    synchronize = torch.cuda.synchronize if parts.device.type == "cuda" else lambda: None
     synchronize()
     start = time.perf_counter()
     for batch in batches:
         step = next(steps)
-        update([batch], step, trainer.lr(step))
+        update([batch], step, parts.lr(step))
     synchronize()
     return sum(b.n_tokens for b in batches) / (time.perf_counter() - start)
 

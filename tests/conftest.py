@@ -34,7 +34,7 @@ _fit = Trainer.fit
 
 
 def _counted_fit(self: Trainer) -> Any:
-    _fits.append(str(self.cfg.train.run_dir))
+    _fits.append(str(self.run.path))
     return _fit(self)
 
 

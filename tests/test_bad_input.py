@@ -273,7 +273,7 @@ INTERRUPTED_AT = {
     "train, reading the config": (["train", "--config", "{tiny}"], "seq2seq.cli.load_config"),
     "train, starting": (
         ["train", "--config", "{tiny}", "train.run_dir={tmp}/run"],
-        "seq2seq.training.trainer.Trainer.__init__",
+        "seq2seq.training.assembly.assemble",
     ),
 }
 

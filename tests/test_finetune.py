@@ -18,6 +18,7 @@ from seq2seq.cli import main
 from seq2seq.config import ExperimentConfig, load_config
 from seq2seq.errors import ConfigError
 from seq2seq.prepare import MANIFEST, tokenizer_hash
+from seq2seq.training.assembly import assemble
 from seq2seq.training.trainer import Trainer, train
 
 FAST = ("train.valid_bleu=false", "train.max_tokens=256", "train.log_every=1", "train.threads=1")
@@ -61,7 +62,7 @@ def first_logged_loss(run_dir: Path) -> float:
 
 def validate_then_fit(cfg: ExperimentConfig) -> float:
     """The validation loss of the model a run starts with, then the run (one at a time: each logs to its own)."""
-    trainer = Trainer(cfg)
+    trainer = Trainer(assemble(cfg))
     loss = trainer.validator()["loss"]
     trainer.fit()
     return loss
@@ -83,10 +84,10 @@ def test_a_fine_tuned_run_starts_near_the_parents_loss_not_from_scratch(
 
     On other sentences of the parent's task the child starts where the parent ended; on the changed task
     (cat -> dog) it starts higher, but still far below a model trained from scratch."""
-    parent = Trainer(child(corpus, tmp_path / "same", trained_run))  # the parent's model on its own task
+    parent = assemble(child(corpus, tmp_path / "same", trained_run))  # the parent's model on its own task
     parent_loss, vocab = parent.validator()["loss"], parent.tokenizer.tgt_vocab_size
     parent.close()
-    changed = Trainer(child(shifted, tmp_path / "changed", trained_run))
+    changed = assemble(child(shifted, tmp_path / "changed", trained_run))
     changed_start = changed.validator()["loss"]
     changed.close()
     child_start = validate_then_fit(child(other_sentences, tmp_path / "child", trained_run, "train.max_steps=1"))
@@ -104,7 +105,7 @@ def test_the_child_is_a_new_run_with_the_parents_tokenizer_and_the_parent_is_onl
     before = files_digest(trained_run)
     best = ckpt.read(trained_run / ckpt.BEST)  # whichever step validated best: the child starts from it
     run = tmp_path / "child"
-    trainer = Trainer(child(shifted, run, trained_run, "train.max_steps=3", "model.dropout=0.1"))
+    trainer = Trainer(assemble(child(shifted, run, trained_run, "train.max_steps=3", "model.dropout=0.1")))
     assert trainer.progress.step == 0 and not trainer.update.optimizer.state
     assert trainer.run_id != best.run_id
     assert trainer.tokenizer.state() == best.tokenizer.state()
@@ -125,7 +126,7 @@ def test_the_child_is_a_new_run_with_the_parents_tokenizer_and_the_parent_is_onl
 
 def test_init_from_names_a_checkpoint_file(trained_run: Path, shifted: Path, tmp_path: Path) -> None:
     """Any checkpoint, not only a run's best: here its last."""
-    trainer = Trainer(child(shifted, tmp_path / "child", trained_run / ckpt.LAST))
+    trainer = assemble(child(shifted, tmp_path / "child", trained_run / ckpt.LAST))
     expected = ckpt.read(trained_run / ckpt.LAST).model
     assert all(torch.equal(trainer.model.state_dict()[name], expected[name]) for name in expected)
     trainer.close()
@@ -174,9 +175,9 @@ def test_a_parent_inside_the_new_run_directory_is_refused(shifted: Path, tmp_pat
     """The new run would write checkpoint_best.pt over the parent."""
     run = tmp_path / "run"
     with pytest.raises(ConfigError, match="is in train.run_dir"):
-        Trainer(child(shifted, run, run / ckpt.BEST))
+        assemble(child(shifted, run, run / ckpt.BEST))
     with pytest.raises(ConfigError, match="is in train.run_dir"):
-        Trainer(child(shifted, run, run))
+        assemble(child(shifted, run, run))
     assert not (run / "train.log").exists()
 
 

@@ -27,6 +27,7 @@ from seq2seq.data import Batch, collate_pairs
 from seq2seq.device import resolve_precision
 from seq2seq.errors import TrainingError
 from seq2seq.training import update as update_module
+from seq2seq.training.assembly import TrainingRun, assemble
 from seq2seq.training.monitor import read_metrics
 from seq2seq.training.optim import lr_at
 from seq2seq.training.trainer import Trainer, train
@@ -115,7 +116,7 @@ def test_accumulating_two_batches_equals_one_batch_of_their_union(
     small: Path, tmp_path: Path, device: torch.device
 ) -> None:
     on = (f"train.device={device.type}", "train.precision=fp32")  # the arithmetic, not the rounding of bf16/fp16
-    trainer = Trainer(config(small, tmp_path / "run", "model.dropout=0", *on))
+    trainer = assemble(config(small, tmp_path / "run", "model.dropout=0", *on))
     try:
         first, second = trainer.epochs.batches(1)[0], trainer.epochs.batches(1)[1]
         parts = [collate_ids(trainer, first), collate_ids(trainer, second)]
@@ -138,7 +139,7 @@ def test_accumulating_two_batches_equals_one_batch_of_their_union(
         trainer.close()
 
 
-def collate_ids(trainer: Trainer, indices: list[int]) -> Batch:
+def collate_ids(trainer: TrainingRun, indices: list[int]) -> Batch:
     pairs = [trainer.epochs.corpus.ids(i) for i in indices]
     return collate_pairs([s for s, _ in pairs], [t for _, t in pairs])
 
@@ -173,7 +174,7 @@ def test_bf16_autocast_trains_like_fp32_on_cpu(small: Path, tmp_path: Path) -> N
 def test_rdrop_reaches_the_training_step_and_trains(small: Path, tmp_path: Path) -> None:
     losses = []
     for alpha in (1e-6, 2.0):  # R-Drop on in both: the same two dropout masks, a heavier KL in the second
-        trainer = Trainer(config(small, tmp_path / f"alpha{alpha}", "model.dropout=0.1", f"train.rdrop_alpha={alpha}"))
+        trainer = assemble(config(small, tmp_path / f"alpha{alpha}", "model.dropout=0.1", f"train.rdrop_alpha={alpha}"))
         try:
             batch = trainer.epochs.batch(1, 0)
             losses.append(float(trainer.update.accumulate([batch], step=1)[0]))
@@ -227,8 +228,8 @@ def test_resume_reaches_the_same_weights_as_an_uninterrupted_run(
 
 
 def test_subword_sampling_draws_a_new_segmentation_each_epoch(small: Path, tmp_path: Path) -> None:
-    fixed = Trainer(config(small, tmp_path / "fixed"))
-    sampled = Trainer(config(small, tmp_path / "sampled", "data.sampling_alpha=0.2", "data.sampling_nbest=-1"))
+    fixed = assemble(config(small, tmp_path / "fixed"))
+    sampled = assemble(config(small, tmp_path / "sampled", "data.sampling_alpha=0.2", "data.sampling_nbest=-1"))
     try:
         epochs = sampled.epochs
         pairs = {1: epochs.batches(1)[0]}
@@ -270,7 +271,7 @@ def test_resuming_a_finished_run_changes_nothing(small: Path, tmp_path: Path) ->
 def test_resume_refuses_a_different_model(small: Path, tmp_path: Path) -> None:
     train(config(small, tmp_path / "run", "train.max_steps=1"))
     with pytest.raises(TrainingError, match="does not match its checkpoint") as refused:
-        Trainer(config(small, tmp_path / "run", "model.d_model=32", "model.transformer.d_ff=64"))
+        assemble(config(small, tmp_path / "run", "model.d_model=32", "model.transformer.d_ff=64"))
     message = str(refused.value)
     assert "model.d_model is 32" in message and "(and model.transformer.d_ff)" in message
     assert message.endswith("choose another train.run_dir")
@@ -428,15 +429,17 @@ def test_best_checkpoint_by_metric_and_early_stopping(
 
     run = tmp_path / "run"
     trainer = Trainer(
-        config(
-            small,
-            run,
-            f"train.best_metric={metric}",
-            "train.patience=2",
-            "train.valid_every=1",
-            "train.keep_last=3",
-            "train.average_last=2",
-            "train.max_steps=20",
+        assemble(
+            config(
+                small,
+                run,
+                f"train.best_metric={metric}",
+                "train.patience=2",
+                "train.valid_every=1",
+                "train.keep_last=3",
+                "train.average_last=2",
+                "train.max_steps=20",
+            )
         )
     )
     trainer.validator = Scripted()  # type: ignore[assignment]
@@ -510,8 +513,8 @@ def test_worker_processes_yield_the_batches_of_the_training_process(small: Path,
     """Sampled segmentations are drawn from (seed, epoch, batch), so two workers collate what one process would,
     in the same order, from any start within the epoch."""
     sampled = ("data.sampling_alpha=0.2", "data.sampling_nbest=-1")
-    here = Trainer(config(small, tmp_path / "here", *sampled))
-    there = Trainer(config(small, tmp_path / "there", *sampled, "train.num_workers=2"))
+    here = assemble(config(small, tmp_path / "here", *sampled))
+    there = assemble(config(small, tmp_path / "there", *sampled, "train.num_workers=2"))
     try:
         assert there.epochs.num_workers == 2
         for epoch, start in ((1, 0), (2, 3)):
@@ -533,7 +536,7 @@ def test_the_numbers_read_back_from_an_update_are_those_computed_on_the_host(
     """Loss, nll and gradient norm stay on the device until `finish` reads them in one transfer: the same
     numbers as summing each micro-batch's loss on the host and taking the norm of the gradients it leaves."""
     settings = ("model.dropout=0", f"train.precision={precision}", "train.update_freq=2", "train.clip_norm=0.5")
-    trainer = Trainer(config(small, tmp_path / "run", *settings))
+    trainer = assemble(config(small, tmp_path / "run", *settings))
     try:
         update, batches = trainer.update, [trainer.epochs.batch(1, 0), trainer.epochs.batch(1, 1)]
         tokens = sum(b.n_tokens for b in batches)

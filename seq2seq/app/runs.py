@@ -17,12 +17,13 @@ log = logging.getLogger("seq2seq")
 
 def train(cfg: ExperimentConfig) -> int:
     """Train (or resume) a run; the exit code: 0 when it ended by itself, 128 + the signal that stopped it."""
+    from seq2seq.training.assembly import assemble
     from seq2seq.training.distributed import peer_failures
     from seq2seq.training.trainer import Trainer
 
     try:
         with peer_failures():
-            trainer = Trainer(cfg)
+            trainer = Trainer(assemble(cfg))
             trainer.fit()
     except KeyboardInterrupt as e:  # before training started, or a second Ctrl-C
         return interrupt.report(e, "; checkpoint_last.pt (if any) holds the last saved state")

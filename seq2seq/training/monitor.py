@@ -1,6 +1,8 @@
 """What a run shows: running statistics, TensorBoard scalars, metrics.jsonl, progress bars, the log file.
 
-Only rank 0 writes any of it; the trainer passes `None` writers elsewhere.
+Where the numbers go is a `MetricSink`: TensorBoard's scalars and texts (`TensorBoard`), the records of
+metrics.jsonl (`MetricsFile`), or both behind one `Sinks`. The log lines go to train.log through `logging`
+(`RunDirectory.attach_log`). Only rank 0 writes any of it: elsewhere `setup_sinks` gives an empty `Sinks`.
 """
 
 from __future__ import annotations
@@ -11,12 +13,72 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from seq2seq.training.update import UpdateStats
 
 log = logging.getLogger("seq2seq.train")
+
+
+class ScalarWriter(Protocol):
+    def add_scalar(self, tag: str, value: float, step: int) -> None: ...
+
+
+class MetricSink(ScalarWriter, Protocol):
+    """Where a run's numbers go: scalars and texts by tag (TensorBoard's words), records of an event
+    (metrics.jsonl's: start, train, valid, finish), and the end of the run."""
+
+    def add_text(self, tag: str, text: str, step: int) -> None: ...
+
+    def write(self, event: str, step: int, epoch: int, **values: float | str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Sinks:
+    """Several sinks as one; none (ranks other than 0) writes nothing."""
+
+    def __init__(self, *sinks: MetricSink) -> None:
+        self.sinks = list(sinks)
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        for sink in self.sinks:
+            sink.add_scalar(tag, value, step)
+
+    def add_text(self, tag: str, text: str, step: int) -> None:
+        for sink in self.sinks:
+            sink.add_text(tag, text, step)
+
+    def write(self, event: str, step: int, epoch: int, **values: float | str) -> None:
+        for sink in self.sinks:
+            sink.write(event, step, epoch, **values)
+
+    def close(self) -> None:
+        while self.sinks:
+            self.sinks.pop().close()
+
+
+class TensorBoard:
+    """RUN/tensorboard: the scalars and texts; on resume, events logged after the checkpoint (lost steps)
+    are purged. Event records are metrics.jsonl's, not TensorBoard's."""
+
+    def __init__(self, directory: Path, resume_step: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(directory), purge_step=resume_step + 1 if resume_step else None)
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self.writer.add_scalar(tag, value, step)
+
+    def add_text(self, tag: str, text: str, step: int) -> None:
+        self.writer.add_text(tag, text, step)
+
+    def write(self, event: str, step: int, epoch: int, **values: float | str) -> None:
+        pass
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 class Meter:
@@ -44,7 +106,7 @@ class Meter:
         self.updates += 1
         self.lr = stats.lr
 
-    def log(self, writer: Any, step: int, metrics: MetricsFile | None = None, epoch: int = 0) -> str:
+    def log(self, writer: ScalarWriter | None, step: int, metrics: MetricSink | None = None, epoch: int = 0) -> str:
         """Write the averages to TensorBoard, metrics.jsonl and the log file; return a short progress-bar text."""
         seconds = max(time.monotonic() - self.start, 1e-9)
         loss, nll = self.loss / max(self.tokens, 1), self.nll / max(self.tokens, 1)
@@ -86,6 +148,15 @@ class MetricsFile:
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        pass  # the values come with their event
+
+    def add_text(self, tag: str, text: str, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
     def write(self, event: str, step: int, epoch: int, **values: float | str) -> None:
         if self.path is None:
@@ -133,14 +204,9 @@ def progress(total: int, initial: int, desc: str, enabled: bool) -> Any:
     return tqdm(total=total, initial=initial, desc=desc, unit="upd", disable=not shown, dynamic_ncols=True, leave=False)
 
 
-def tensorboard(directory: Path, resume_step: int) -> Any:
-    """A SummaryWriter; on resume, events logged after the checkpoint (lost steps) are purged."""
-    from torch.utils.tensorboard import SummaryWriter
-
-    return SummaryWriter(str(directory), purge_step=resume_step + 1 if resume_step else None)
-
-
-def log_validation(writer: Any, step: int, scores: dict[str, float], minutes: float, examples: str) -> None:
+def log_validation(
+    writer: MetricSink | None, step: int, scores: dict[str, float], minutes: float, examples: str
+) -> None:
     """Validation scores, the training minutes so far and (with BLEU) example translations, to TensorBoard."""
     if writer is None:
         return

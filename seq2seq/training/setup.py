@@ -1,4 +1,5 @@
-"""Set-up of a run: device, tokenizer, data, model and optimizer, and what a resume may change."""
+"""Set-up of a run, one part a function: device, run directory, data, model and optimizer, validation, sinks;
+and what a resume may change. Each takes the config sections it needs; `assembly.assemble` calls them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from seq2seq.checkpoint import Checkpoint, Progress
-from seq2seq.config import DataConfig, ExperimentConfig, TrainConfig, config_changes, to_dict
+from seq2seq.config import DataConfig, DecodeConfig, ExperimentConfig, ModelConfig, TrainConfig, config_changes, to_dict
 from seq2seq.data import encode_corpus, read_parallel, read_split
 from seq2seq.device import resolve_device, resolve_precision
 from seq2seq.errors import TrainingError
@@ -19,7 +20,9 @@ from seq2seq.prepare import PreparedCorpus, ensure_prepared
 from seq2seq.run_dir import RunDirectory
 from seq2seq.tokenizer import Tokenizer, tag_line
 from seq2seq.training import distributed as dist
+from seq2seq.training import finetune
 from seq2seq.training.epochs import EpochSource
+from seq2seq.training.monitor import MetricsFile, Sinks, TensorBoard
 from seq2seq.training.optim import build_optimizer
 from seq2seq.training.validation import Validator, ValidPair
 
@@ -52,11 +55,11 @@ def prepared_path(cfg: ExperimentConfig) -> Path:
     return Path(cfg.data.prepared_dir or Path(cfg.train.run_dir) / "prepared")
 
 
-def prepared_corpus(cfg: ExperimentConfig, tokenizer: Tokenizer | None) -> PreparedCorpus:
-    """Prepare the training data on rank 0 unless it is ready (for `tokenizer`, when given); every rank opens it."""
-    path = prepared_path(cfg)
+def setup_corpus(d: DataConfig, path: Path, tokenizer: Tokenizer | None) -> PreparedCorpus:
+    """Prepare the training data at `path` on rank 0 unless it is ready (for `tokenizer`, when given); every
+    rank opens it."""
     if dist.is_main():
-        ensure_prepared(cfg.data, path, tokenizer)
+        ensure_prepared(d, path, tokenizer)
     if dist.world_size() > 1:
         torch.distributed.barrier()
     return PreparedCorpus(path)
@@ -78,36 +81,36 @@ def data_workers(setting: int | str, device: torch.device) -> int:
     return max(0, min(4, (os.cpu_count() or 1) - 1))
 
 
-def training_data(cfg: ExperimentConfig, corpus: PreparedCorpus) -> EpochSource:
-    t = cfg.train
-    workers = data_workers(t.num_workers, resolve_device(t.device))
-    source = EpochSource(corpus, cfg.data, t.max_tokens, t.seed, dist.rank(), dist.world_size(), workers)
+def setup_data(d: DataConfig, t: TrainConfig, corpus: PreparedCorpus, device: torch.device) -> EpochSource:
+    """This rank's batches of each epoch, collated by `train.num_workers` processes."""
+    workers = data_workers(t.num_workers, device)
+    bounded = t.compile != "off"  # a compiled model gets a few batch shapes, not one per batch
+    source = EpochSource(corpus, d, t.max_tokens, t.seed, dist.rank(), dist.world_size(), workers, bounded)
     log.info("data: %d training pairs", len(corpus))
     return source
 
 
-def build_validator(
-    cfg: ExperimentConfig, tokenizer: Tokenizer, model: Seq2SeqModel, precision: str, device: torch.device
+def setup_validator(
+    d: DataConfig,
+    decode: DecodeConfig,
+    tokenizer: Tokenizer,
+    model: Seq2SeqModel,
+    *,
+    max_positions: int,
+    max_tokens: int,
+    label_smoothing: float,
+    with_bleu: bool,
+    precision: str,
+    device: torch.device,
 ) -> Validator:
     """Validation on the valid split (of each language pair), encoded up to the model's length with the best
     segmentation; the loss is over the tagged sources, as trained."""
-    d, t = cfg.data, cfg.train
     text, pairs = valid_text(d)
     tagged = [tag_line(text[0][i], p.tgt) for p in pairs for i in p.lines]
-    corpus = encode_corpus(tokenizer, tagged or text[0], text[1], cfg.model.max_positions - 1, f"{d.dir}/{d.valid}")
+    corpus = encode_corpus(tokenizer, tagged or text[0], text[1], max_positions - 1, f"{d.dir}/{d.valid}")
     log.info("data: %d validation pairs", len(corpus))
     return Validator(
-        model,
-        tokenizer,
-        corpus,
-        text,
-        cfg.decode,
-        t.max_tokens,
-        t.label_smoothing,
-        precision,
-        device,
-        t.valid_bleu,
-        pairs,
+        model, tokenizer, corpus, text, decode, max_tokens, label_smoothing, precision, device, with_bleu, pairs
     )
 
 
@@ -126,13 +129,14 @@ def valid_text(d: DataConfig) -> tuple[tuple[list[str], list[str]], list[ValidPa
     return (sources, references), pairs
 
 
-def build_training_model(
-    cfg: ExperimentConfig, tokenizer: Tokenizer, device: torch.device, precision: str
+def setup_model(
+    m: ModelConfig, optim: TrainConfig, seed: int, tokenizer: Tokenizer, device: torch.device, precision: str
 ) -> tuple[Seq2SeqModel, torch.optim.Optimizer, torch.amp.GradScaler]:
-    torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
-    model = build_model(cfg.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size).to(device)
+    """A fresh model (the same initial weights on every rank), its optimizer and its gradient scaler."""
+    torch.manual_seed(seed)
+    model = build_model(m, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size).to(device)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-    return model, build_optimizer(model, cfg.train), scaler
+    return model, build_optimizer(model, optim), scaler
 
 
 def restore(
@@ -160,6 +164,32 @@ def wrap_ddp(model: torch.nn.Module, device: torch.device) -> DistributedDataPar
     if dist.world_size() == 1:
         return None
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def setup_run_dir(
+    run: RunDirectory, cfg: ExperimentConfig, main: bool
+) -> tuple[Checkpoint | None, list[str], Checkpoint | None]:
+    """Lock the run directory (rank 0), check what is there (or the parent of a fine-tuning run), then log
+    into it: a refused start writes nothing. Returns the checkpoint to resume, its changes and the parent."""
+    if main:
+        run.acquire()
+    else:
+        logging.getLogger("seq2seq").setLevel(logging.WARNING)
+    resume = run.resume_point()
+    changes = check_resumable(resume, cfg, run) if resume else []
+    parent = None if resume else finetune.read_parent(cfg, run)
+    if main:
+        run.attach_log()
+    if resume:
+        finetune.note_resume(cfg, run)
+    return resume, changes, parent
+
+
+def setup_sinks(run: RunDirectory, resume_step: int, main: bool) -> Sinks:
+    """TensorBoard and metrics.jsonl on rank 0; nothing elsewhere."""
+    if not main:
+        return Sinks()
+    return Sinks(TensorBoard(run.tensorboard, resume_step), MetricsFile(run.metrics))
 
 
 def check_resumable(resume: Checkpoint, cfg: ExperimentConfig, run: RunDirectory) -> list[str]:

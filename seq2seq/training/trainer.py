@@ -1,11 +1,12 @@
-"""The training loop: an orchestration of the pieces in this package.
+"""The training loop over the parts of a run (assembly.py assembles them from a config).
 
     RunDirectory (seq2seq.run_dir)   lock, log file, checkpoint files of this run
     EpochSource  (epochs.py)         which pairs and batches make epoch e
     UpdateStep   (update.py)         one optimizer update over a group of batches
     Validator    (validation.py)     validation loss and BLEU
     StopPolicy   (stopping.py)       when to stop, which validation is the best
-    Checkpoint   (seq2seq.checkpoint) what is saved and resumed
+    Saver        (saving.py)         the checkpoints written, kept and averaged
+    Sinks        (monitor.py)        TensorBoard and metrics.jsonl
 
 Pointing `train` at a run directory that has `checkpoint_last.pt` continues
 that run exactly: weights, optimizer, schedule position, epoch, position
@@ -28,27 +29,13 @@ import math
 import time
 from typing import Any
 
-from seq2seq.checkpoint import Checkpoint, Progress, TrainingState
-from seq2seq.config import ExperimentConfig, save_config
+from seq2seq.checkpoint import Progress
+from seq2seq.config import ExperimentConfig
 from seq2seq.interrupt import Interrupts
-from seq2seq.run_dir import RunDirectory
-from seq2seq.tokenizer import Tokenizer
 from seq2seq.training import distributed as dist
-from seq2seq.training import finetune, monitor
-from seq2seq.training.budget import plan_warnings
-from seq2seq.training.optim import lr_schedule
-from seq2seq.training.setup import (
-    build_training_model,
-    build_validator,
-    check_resumable,
-    prepared_corpus,
-    restore,
-    setup_device,
-    training_data,
-    wrap_ddp,
-)
-from seq2seq.training.stopping import StopPolicy
-from seq2seq.training.update import Launched, UpdateStats, UpdateStep
+from seq2seq.training import monitor
+from seq2seq.training.assembly import TrainingRun, assemble
+from seq2seq.training.update import Launched, UpdateStats
 
 __all__ = ["Trainer", "train"]
 
@@ -56,70 +43,16 @@ log = logging.getLogger("seq2seq.train")
 
 
 class Trainer:
-    """Trains the model an `ExperimentConfig` describes; `fit()` runs to the end.
+    """Trains the parts of a run (`assembly.assemble`); `fit()` runs to the end and closes them."""
 
-    `tokenizer` skips training one (a resumed run always uses its checkpoint's, a fine-tuning run its parent's).
-    """
-
-    def __init__(self, cfg: ExperimentConfig, tokenizer: Tokenizer | None = None) -> None:
-        self.cfg = cfg
-        self.run = RunDirectory(cfg.train.run_dir)
-        self.writer: Any = None
-        try:
-            self._build(tokenizer)
-        except BaseException:
-            self.close()  # a failed start must not keep the lock, the log file or the process group
-            raise
-
-    def _build(self, tokenizer: Tokenizer | None) -> None:
-        cfg = self.cfg
-        self.device, precision = setup_device(cfg.train)  # joins the process group under torchrun
-        self.main = dist.is_main()
-        resume, changes, parent = self._claim_run_dir()
-        self.run_id = resume.run_id if resume else self.run.fresh_run_id(record=self.main)
-        corpus = prepared_corpus(cfg, resume.tokenizer if resume else parent.tokenizer if parent else tokenizer)
-        self.tokenizer = corpus.tokenizer
-        self.epochs = training_data(cfg, corpus)
-        self.model, optimizer, scaler = build_training_model(cfg, self.tokenizer, self.device, precision)
-        if parent:
-            finetune.initialize(self.model, parent, cfg.train.init_from)
-        self.validator = build_validator(cfg, self.tokenizer, self.model, precision, self.device)
-        self.progress = restore(resume, self.model, optimizer, scaler, self.run, changes) if resume else Progress()
-        ddp = wrap_ddp(self.model, self.device)
-        self.update = UpdateStep.from_config(cfg.train, self.model, optimizer, scaler, self.device, precision, ddp)
-        self.policy = StopPolicy.from_config(cfg.train)
-        per_epoch = math.ceil(len(self.epochs.batches(1)) / cfg.train.update_freq)
-        self.lr = lr_schedule(cfg, per_epoch)
-        if self.main:
-            for warning in plan_warnings(cfg.train, len(corpus), per_epoch):
-                log.warning(warning)
-            save_config(cfg, self.run.config)
-            self.tokenizer.save(self.run.path)
-            self.writer = monitor.tensorboard(self.run.tensorboard, self.progress.step)
-        self.metrics = monitor.MetricsFile(self.run.metrics if self.main else None)
+    def __init__(self, parts: TrainingRun) -> None:
+        self.parts = parts
+        self.run, self.main, self.device, self.loop = parts.run, parts.main, parts.device, parts.loop
+        self.tokenizer, self.epochs, self.model, self.update = parts.tokenizer, parts.epochs, parts.model, parts.update
+        self.lr, self.policy, self.validator, self.progress = parts.lr, parts.policy, parts.validator, parts.progress
+        self.saver, self.sinks, self.run_id = parts.saver, parts.sinks, parts.run_id
         self.meter, self.stop, self.start_time = monitor.Meter(), Interrupts(library_checks=False), time.monotonic()
         self.validation_seconds = 0.0  # this session's, for its share of the wall time
-        params = sum(p.numel() for p in self.model.parameters())
-        self.metrics.write("start", self.progress.step, self.progress.epoch, parameters=params)
-        log.info(
-            "model: %.2fM parameters; %s, %s, %d process(es)", params / 1e6, self.device, precision, dist.world_size()
-        )
-
-    def _claim_run_dir(self) -> tuple[Checkpoint | None, list[str], Checkpoint | None]:
-        """Lock the run directory (rank 0), check what is there (or the parent of a fine-tuning run), then log
-        into it: a refused start writes nothing. Returns the checkpoint to resume, its changes and the parent."""
-        if self.main:
-            self.run.acquire()
-        else:
-            logging.getLogger("seq2seq").setLevel(logging.WARNING)
-        resume = self.run.resume_point()
-        changes = check_resumable(resume, self.cfg, self.run) if resume else []
-        parent = None if resume else finetune.read_parent(self.cfg, self.run)
-        if self.main:
-            self.run.attach_log()
-        if resume:
-            finetune.note_resume(self.cfg, self.run)
-        return resume, changes, parent
 
     # The loop.
 
@@ -132,22 +65,14 @@ class Trainer:
                 while not reason:
                     reason = self._run_epoch()
                 self._finish(reason)
-            if self.main and self.cfg.train.average_last > 0 and not self.stop.received:
-                paths = self.run.average_last(self.cfg.train.average_last, run_id=self.run_id)
-                log.info("averaged %d checkpoints into %s", len(paths), self.run.average)
-                if len(paths) < self.cfg.train.average_last:
-                    log.warning("train.average_last=%d, but this run kept %d step checkpoints (train.keep_last=%d)",
-                                self.cfg.train.average_last, len(paths), self.cfg.train.keep_last)  # fmt: skip
+            if not self.stop.received:
+                self.saver.average()
         finally:
             self.close()
         return self.progress
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
-        self.run.release()
-        dist.teardown()
+        self.parts.close()
 
     def _run_epoch(self) -> str:
         """Train on the rest of the current epoch; returns why training must stop, or ''.
@@ -155,7 +80,7 @@ class Trainer:
         Update k is read back only once the batches of update k + 1 are fetched and on their way to the
         device: the host prepares data while the device computes, and still knows whether update k counted
         before it numbers the next one."""
-        freq, p = self.cfg.train.update_freq, self.progress
+        freq, p = self.loop.update_freq, self.progress
         n = len(self.epochs.batches(p.epoch))
         total, done = math.ceil(n / freq), math.ceil(p.batch_in_epoch / freq)
         loader = self.epochs.loader(p.epoch, p.batch_in_epoch, pin_memory=self.device.type == "cuda")
@@ -173,7 +98,7 @@ class Trainer:
                 if reason:
                     return reason
         p.epoch, p.batch_in_epoch = p.epoch + 1, 0
-        if not self.cfg.train.valid_every and p.validated_step != p.step:
+        if not self.loop.valid_every and p.validated_step != p.step:
             self._validate_and_save()
         return self.should_stop()
 
@@ -190,10 +115,10 @@ class Trainer:
 
     def _after_update(self, stats: UpdateStats, bar: Any) -> None:
         """Log, validate or save on the steps the config asks for."""
-        t, step = self.cfg.train, self.progress.step
+        t, step = self.loop, self.progress.step
         self.meter.add(stats)
         if step % t.log_every == 0:
-            bar.set_postfix_str(self.meter.log(self.writer, step, self.metrics, self.progress.epoch), refresh=False)
+            bar.set_postfix_str(self.meter.log(self.sinks, step, self.sinks, self.progress.epoch), refresh=False)
         if t.valid_every and step % t.valid_every == 0:
             self._validate_and_save()
         elif t.save_every and step % t.save_every == 0:
@@ -209,7 +134,7 @@ class Trainer:
             return
         if p.validated_step != p.step:
             self._validate_and_save()
-        self.metrics.write("finish", p.step, p.epoch, reason=reason)
+        self.sinks.write("finish", p.step, p.epoch, reason=reason)
         log.info("training finished at step %d, epoch %d (%s)", p.step, p.epoch, reason.replace("_", " "))
 
     def should_stop(self) -> str:
@@ -241,8 +166,8 @@ class Trainer:
             minutes = self.elapsed() / 60
             share = self.validation_seconds / max(time.monotonic() - self.start_time, 1e-9)
             log.info("validation took %.1f s; %.0f%% of this session's training time so far", seconds, 100 * share)
-            monitor.log_validation(self.writer, p.step, scores, minutes, self.validator.examples)
-            self.metrics.write("valid", p.step, p.epoch, **scores, minutes=minutes, seconds=seconds, share=share)
+            monitor.log_validation(self.sinks, p.step, scores, minutes, self.validator.examples)
+            self.sinks.write("valid", p.step, p.epoch, **scores, minutes=minutes, seconds=seconds, share=share)
             improved = self.policy.record(p, scores)
         p.validated_step = p.step
         shared = dist.broadcast_from_main([p.best, p.best_metric, p.bad_validations, improved])
@@ -251,15 +176,11 @@ class Trainer:
 
     def _save(self, improved: bool = False, keep: bool = False) -> None:
         """Write checkpoints on rank 0; checkpoint_last last, as the commit point of a resume."""
-        if not self.main:
-            return
         progress = dataclasses.replace(self.progress, elapsed=self.elapsed())
-        state = TrainingState(progress, self.update.optimizer.state_dict(), self.update.scaler.state_dict())
-        checkpoint = Checkpoint(
-            self.cfg, self.tokenizer, self.model.state_dict(), self.run_id, state, step=self.progress.step
-        )
-        self.run.save(checkpoint, best=improved, keep_last=self.cfg.train.keep_last if keep else 0)
+        u = self.update
+        self.saver.save(self.model, u.optimizer, u.scaler, progress, improved=improved, keep=keep)
 
 
 def train(cfg: ExperimentConfig) -> Progress:
-    return Trainer(cfg).fit()
+    """Train (or resume) the run `cfg` describes, to its end."""
+    return Trainer(assemble(cfg)).fit()
