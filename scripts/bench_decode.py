@@ -62,29 +62,32 @@ Setting = tuple[str, SearchFn, SDPBackend | None]
 
 
 class CompiledSteps:
-    """A model whose `decode_step` runs through `torch.compile` (dynamic shapes: the row count and the cache
-    length change from step to step), for `--compare compile`; one compiled function per model.
+    """A Transformer whose decoding sessions run the decoder through `torch.compile` (dynamic shapes: the row
+    count and the cache length change from step to step), for `--compare compile`; one compiled decoder per
+    model, shared by its sessions.
 
     Inductor cannot lower oneDNN's prepacked linears (seq2seq.model.packed), so the
     compiled step runs the modules' own weights and lets Inductor choose.
     """
 
     def __init__(self, model: Any) -> None:
+        from seq2seq.model.transformer import DecodingPlan, Seq2SeqTransformer
+
+        if not isinstance(model, Seq2SeqTransformer):
+            raise SystemExit("bench_decode: --compare compile times a Transformer checkpoint")
         self.model = model
         self.max_positions = model.max_positions
-        self.encode = model.encode
-        self.decode_step = torch.compile(model.decode_step, dynamic=True)
+        self.plan = DecodingPlan(model.decoder, pack=False)
+        self.decoder = torch.compile(model.decoder, dynamic=True)
 
-    def init_cache(self, memory: Any, src_pad_mask: torch.Tensor) -> Any:
-        from seq2seq.model.transformer import DecodingPlan
-
-        if not hasattr(self.model, "plan"):  # no packing to turn off
-            return self.model.init_cache(memory, src_pad_mask)
-        plan, self.model.plan = self.model.plan, DecodingPlan(self.model.decoder, pack=False)
+    def start(self, src: torch.Tensor, src_pad_mask: torch.Tensor, need_attention: bool = False) -> Any:
+        plan, self.model.plan = self.model.plan, self.plan
         try:
-            return self.model.init_cache(memory, src_pad_mask)
+            session = self.model.start(src, src_pad_mask, need_attention)
         finally:
             self.model.plan = plan
+        session.decoder = self.decoder  # the same forward, compiled
+        return session
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.model, name)

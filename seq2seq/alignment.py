@@ -7,9 +7,9 @@ Weights come from re-scoring, not from search. Beam search reorders, drops
 and forks hypotheses at every step; recording attention inside it would mean
 carrying every hypothesis' weights through each reorder, at a cost on every
 decode. Instead, once the best hypothesis is known, `teacher_forced_attention`
-feeds it back through the incremental API (`encode`, `init_cache`,
-`decode_step`) with an attention record in its cache: the same code and numbers
-as the step that chose each token (the fused attention kernel and the math
+feeds it back through a decoding session started with `need_attention`
+(seq2seq.model.session), whose record keeps each step's weights: the same code
+and numbers as the step that chose each token (the fused attention kernel and the math
 version agree up to rounding), nothing to keep aligned, and decoding without
 recording pays nothing. It costs one extra greedy-sized pass, which is why
 pictures and alignments are only computed when asked for.
@@ -26,15 +26,14 @@ number of layers and heads shown.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from seq2seq.ensemble import Ensemble
 from seq2seq.errors import AttentionError, ConfigError
-from seq2seq.model import AttentionRecord, Seq2SeqModel, Seq2SeqRNN
-from seq2seq.search import Cache, IncrementalModel, Memory
+from seq2seq.model import Seq2SeqModel, Seq2SeqRNN
+from seq2seq.model.session import Decodable
 from seq2seq.vocab import BOS
 
 LayerChoice = int | str
@@ -63,7 +62,7 @@ def parse_layer(text: str) -> LayerChoice:
     raise ConfigError(f"--attention-layer must be last, all or a layer number from 1; got {text!r}")
 
 
-def require_attention(model: Any, layer: LayerChoice = "last") -> None:
+def require_attention(model: Seq2SeqModel | Ensemble, layer: LayerChoice = "last") -> None:
     """One line for a model without attention (an RNN with model.rnn.attention: none) or without `layer`."""
     for member in model.models if isinstance(model, Ensemble) else [model]:
         if isinstance(member, Seq2SeqRNN) and member.decoder.attention is None:
@@ -84,17 +83,16 @@ def check_layer(layer: LayerChoice, layers: int) -> None:
 
 
 @torch.no_grad()
-def teacher_forced_attention(
-    model: IncrementalModel[Memory, Cache], src: Tensor, src_pad_mask: Tensor, tgt: Tensor
-) -> Tensor:
+def teacher_forced_attention(model: Decodable, src: Tensor, src_pad_mask: Tensor, tgt: Tensor) -> Tensor:
     """Cross-attention weights (B, T, L, H, S) of targets tgt (B, T), EOS-ended and PAD-filled, through
-    the incremental API of one model (rows past a target's EOS are for padding and mean nothing)."""
-    cache = model.init_cache(model.encode(src, src_pad_mask), src_pad_mask)
-    cache.attention = AttentionRecord()  # every cache keeps one entry per step in it
+    a decoding session that records them (rows past a target's EOS are for padding and mean nothing)."""
+    session = model.start(src, src_pad_mask, need_attention=True)
     inputs = torch.cat([torch.full_like(tgt[:, :1], BOS), tgt[:, :-1]], dim=1)  # (B, T)
     for t in range(inputs.shape[1]):
-        model.decode_step(inputs[:, t : t + 1], cache)
-    return torch.stack(cache.attention.steps, dim=1)
+        session.step(inputs[:, t : t + 1])
+    if session.attention is None:
+        raise AttentionError("the model's decoding session records no attention")
+    return torch.stack(session.attention.steps, dim=1)
 
 
 def select(weights: Tensor, layer: LayerChoice, heads: str) -> tuple[Tensor, list[str], list[str]]:
@@ -116,7 +114,7 @@ def select(weights: Tensor, layer: LayerChoice, heads: str) -> tuple[Tensor, lis
 
 
 def model_attention(
-    model: Any, src: Tensor, src_pad_mask: Tensor, tgt: Tensor, layer: LayerChoice, heads: str
+    model: Seq2SeqModel | Ensemble, src: Tensor, src_pad_mask: Tensor, tgt: Tensor, layer: LayerChoice, heads: str
 ) -> tuple[Tensor, list[str], list[str]]:
     """The chosen cross-attention (B, T, L', H', S) of a model or ensemble, with layer and head names."""
     if not isinstance(model, Ensemble):

@@ -1,11 +1,13 @@
 """An ensemble of models decoded as one: the mean of their next-token log-probabilities at every step.
 
-`Ensemble` offers the incremental API that `seq2seq.search` drives, so greedy,
-beam and sampling search, n-best lists and `Translator` work unchanged: each
-member encodes the source and keeps its own cache; a step runs every member
-and averages their log-probabilities (search renormalises the mean). All
-members must share the tokenizer, so that a token id means the same piece to
-each of them.
+`Ensemble.start` starts a session of every member and returns an
+`EnsembleSession` over them, so greedy, beam and sampling search, n-best lists,
+prefixes and `Translator` work unchanged: each member encodes the source and
+keeps its own session; a step runs every member's and averages their
+log-probabilities (search renormalises the mean). The members are driven only
+through the session protocol (seq2seq.model.session), whatever their kind, so
+a Transformer and an RNN may decode together. All members must share the
+tokenizer, so that a token id means the same piece to each of them.
 """
 
 from __future__ import annotations
@@ -19,47 +21,46 @@ from torch import Tensor, nn
 
 from seq2seq.checkpoint import Loaded, load_checkpoint
 from seq2seq.errors import AttentionError, CheckpointError
-from seq2seq.model import AttentionRecord, DecoderCache, RNNCache, Seq2SeqModel, Seq2SeqRNN
-from seq2seq.model.rnn import Encoded
-from seq2seq.model.transformer import Seq2SeqTransformer
-from seq2seq.search import IncrementalModel
+from seq2seq.model import AttentionRecord, Seq2SeqModel
+from seq2seq.model.session import DecodingSession
 
-MemberMemory = Tensor | Encoded
-"""A member's encoder output: a Transformer's (B, S, D), or an RNN's states."""
-MemberCache = DecoderCache | RNNCache
+if TYPE_CHECKING:
+    from seq2seq.model import Seq2SeqRNN, Seq2SeqTransformer
+    from seq2seq.model.session import Decodable
 
 
-class EnsembleCache:
-    """One cache per member; beam reordering and dropping finished rows apply to all of them.
+class EnsembleSession:
+    """One session per member; beam reordering and dropping finished rows apply to all of them.
 
-    With an attention record, each step keeps the members' cross-attention side
-    by side, (N, L1 + L2 + ..., H, S): the members' layers one after another,
-    which needs them to have the same number of heads.
+    With `need_attention`, each member records its own weights and each step
+    keeps the members' cross-attention side by side, (N, L1 + L2 + ..., H, S):
+    the members' layers one after another, which needs them to have the same
+    number of heads.
     """
 
-    def __init__(self, caches: list[MemberCache]) -> None:
-        self.caches = caches
-        self.attention: AttentionRecord | None = None
+    def __init__(self, sessions: list[DecodingSession], need_attention: bool = False) -> None:
+        self.sessions = sessions
+        self.attention = AttentionRecord() if need_attention else None
+
+    def step(self, tokens: Tensor) -> Tensor:
+        """The members' mean next-token log-probability: (N, V)."""
+        logprobs = [torch.log_softmax(session.step(tokens).float(), dim=-1) for session in self.sessions]
+        self.end_step()
+        return torch.stack(logprobs).mean(dim=0)
 
     def reorder(self, index: Tensor) -> None:
-        for cache in self.caches:
-            cache.reorder(index)
+        for session in self.sessions:
+            session.reorder(index)
 
     def select(self, index: Tensor) -> None:
-        for cache in self.caches:
-            cache.select(index)
-
-    def start_recording(self) -> None:
-        """Give each member a record of its own while the ensemble has one."""
-        for cache in self.caches:
-            if self.attention is not None and cache.attention is None:
-                cache.attention = AttentionRecord()
+        for session in self.sessions:
+            session.select(index)
 
     def end_step(self) -> None:
         """Keep the members' weights of the step just run, side by side, in the ensemble's record."""
         if self.attention is None:
             return
-        records = [cache.attention for cache in self.caches if cache.attention is not None]
+        records = [session.attention for session in self.sessions if session.attention is not None]
         steps = [record.steps[-1] for record in records if record.steps]
         if not steps:  # no member has attention
             return
@@ -78,37 +79,10 @@ class Ensemble(nn.Module):
     def max_positions(self) -> int:
         return min(int(m.max_positions) for m in self.models)
 
-    def encode(self, src: Tensor, src_pad_mask: Tensor) -> list[MemberMemory]:
-        return [m.encode(src, src_pad_mask) for m in self.models]
-
-    def init_cache(self, memories: list[MemberMemory], src_pad_mask: Tensor) -> EnsembleCache:
-        return EnsembleCache([member_cache(m, memory, src_pad_mask) for m, memory in zip(self.models, memories)])
-
-    def decode_step(self, tokens: Tensor, cache: EnsembleCache) -> Tensor:
-        """The members' mean next-token log-probability: (N, V)."""
-        cache.start_recording()
-        steps = [member_step(m, tokens, c) for m, c in zip(self.models, cache.caches)]
-        cache.end_step()
-        logprobs = [torch.log_softmax(logits.float(), dim=-1) for logits in steps]
-        return torch.stack(logprobs).mean(dim=0)
-
-
-def member_cache(model: Seq2SeqModel, memory: MemberMemory, src_pad_mask: Tensor) -> MemberCache:
-    """`model.init_cache`, with the member's encoder output told apart by its kind of model."""
-    if isinstance(model, Seq2SeqRNN):
-        assert isinstance(memory, Encoded)
-        return model.init_cache(memory, src_pad_mask)
-    assert isinstance(memory, Tensor)
-    return model.init_cache(memory, src_pad_mask)
-
-
-def member_step(model: Seq2SeqModel, tokens: Tensor, cache: MemberCache) -> Tensor:
-    """`model.decode_step`, with the member's cache told apart by its kind of model."""
-    if isinstance(model, Seq2SeqRNN):
-        assert isinstance(cache, RNNCache)
-        return model.decode_step(tokens, cache)
-    assert isinstance(cache, DecoderCache)
-    return model.decode_step(tokens, cache)
+    def start(self, src: Tensor, src_pad_mask: Tensor, need_attention: bool = False) -> EnsembleSession:
+        """Every member's session over the sources (B, S), driven as one."""
+        sessions: list[DecodingSession] = [m.start(src, src_pad_mask, need_attention) for m in self.models]
+        return EnsembleSession(sessions, need_attention)
 
 
 def load_ensemble(paths: Sequence[str | Path], device: str | torch.device = "cpu") -> tuple[Ensemble, Loaded]:
@@ -127,11 +101,5 @@ def load_ensemble(paths: Sequence[str | Path], device: str | torch.device = "cpu
 
 if TYPE_CHECKING:  # for mypy only: every model, and an ensemble of them, is one that search can drive
 
-    def _incremental(
-        transformer: Seq2SeqTransformer, rnn: Seq2SeqRNN, ensemble: Ensemble
-    ) -> tuple[
-        IncrementalModel[Tensor, DecoderCache],
-        IncrementalModel[Encoded, RNNCache],
-        IncrementalModel[list[MemberMemory], EnsembleCache],
-    ]:
+    def _decodable(transformer: Seq2SeqTransformer, rnn: Seq2SeqRNN, ensemble: Ensemble) -> tuple[Decodable, ...]:
         return transformer, rnn, ensemble

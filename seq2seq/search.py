@@ -1,10 +1,10 @@
-"""Greedy, sampling and beam search over the model's incremental API.
+"""Greedy, sampling and beam search over a model's decoding session.
 
 Notation: B sentences, K beam size, V vocabulary, N hypothesis rows (B, or B * K).
 
-The loops call only `encode`, `init_cache`, `decode_step` and the cache's
-`reorder`/`select` (`IncrementalModel` and `DecodingCache`, the protocols every
-model and cache implement). The selection rules (`beam_step`, `pick_greedy`,
+The loops call only the model's `start` and the session's `step`, `reorder` and
+`select` (`Decodable` and `DecodingSession`, seq2seq.model.session: the
+protocols every model, the ensemble and their sessions implement). The selection rules (`beam_step`, `pick_greedy`,
 `make_sampler`) and the score adjustments (`length_penalty`, `constrain`) are
 separate pure functions.
 
@@ -51,46 +51,16 @@ import hashlib
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
 
 import torch
 from torch import Tensor
 
 from seq2seq import interrupt
 from seq2seq.config import DecodeConfig
-from seq2seq.model.record import AttentionRecord
+from seq2seq.model.session import Decodable, DecodingSession
 from seq2seq.vocab import BOS, EOS, PAD, UNK
 
 NEG_INF = float("-inf")
-
-
-class DecodingCache(Protocol):
-    """What a decoding session carries between steps, as search sees it.
-
-    `reorder(index)` moves hypotheses within their sentences (beam search);
-    `select(index)` keeps or repeats whole rows (a beam's expansion, finished
-    sentences leaving). `attention` is the session's attention record: None
-    (search's case) keeps nothing; a `seq2seq.model.record.AttentionRecord`
-    gets one (N, L, H, S) entry per step in `steps`.
-    """
-
-    attention: AttentionRecord | None
-
-    def reorder(self, index: Tensor) -> None: ...
-    def select(self, index: Tensor) -> None: ...
-
-
-Memory = TypeVar("Memory")
-"""What a model's encoder gives its decoder: a tensor, or an RNN's states."""
-Cache = TypeVar("Cache", bound=DecodingCache)
-
-
-class IncrementalModel(Protocol[Memory, Cache]):
-    """A model as search drives it: encode the sources once, start a session, then one step per position."""
-
-    def encode(self, src: Tensor, src_pad_mask: Tensor) -> Memory: ...
-    def init_cache(self, memory: Memory, src_pad_mask: Tensor) -> Cache: ...
-    def decode_step(self, tokens: Tensor, cache: Cache) -> Tensor: ...
 
 
 @dataclass
@@ -236,7 +206,7 @@ def sentence_uniforms(src: Tensor, src_pad_mask: Tensor, seed: int, steps: int) 
 
 @torch.inference_mode()
 def sequential_search(
-    model: IncrementalModel[Memory, Cache],
+    model: Decodable,
     src: Tensor,
     src_pad_mask: Tensor,
     cfg: DecodeConfig,
@@ -249,7 +219,7 @@ def sequential_search(
     Finished sentences leave the batch, so later steps compute only live rows.
     """
     B = src.shape[0]
-    cache = model.init_cache(model.encode(src, src_pad_mask), src_pad_mask)
+    session = model.start(src, src_pad_mask)
     max_len = max_lengths(src_pad_mask, cfg, limit, prefix)  # (B,)
     alive = torch.arange(B, device=src.device)  # batch index of each row
     history = torch.full((B, 1), BOS, dtype=torch.long, device=src.device)  # (N, step + 1)
@@ -257,7 +227,7 @@ def sequential_search(
     results: list[list[Hypothesis]] = [[] for _ in range(B)]
     for step in itertools.count():  # ends: EOS is forced once step reaches max_len
         interrupt.check_cancelled()  # a server stopping: its decoding thread stops here
-        logits = model.decode_step(history[:, -1:], cache)  # (N, V)
+        logits = session.step(history[:, -1:])  # (N, V)
         forced = forced_tokens(prefix, step, alive)
         logprobs = next_logprobs(logits, step, max_len[alive], history, cfg, forced)
         token = pick(logprobs, alive, step)  # (N,)
@@ -274,7 +244,7 @@ def sequential_search(
             return results
         keep = (~done).nonzero().flatten()
         alive, history, step_scores = alive[keep], history[keep], step_scores[keep]
-        cache.select(keep)
+        session.select(keep)
     raise AssertionError("unreachable")
 
 
@@ -375,7 +345,7 @@ class Finished:
 
 @torch.inference_mode()
 def beam_search(
-    model: IncrementalModel[Memory, Cache],
+    model: Decodable,
     src: Tensor,
     src_pad_mask: Tensor,
     cfg: DecodeConfig,
@@ -390,7 +360,7 @@ def beam_search(
     reordered within sentences at each step and shrunk only when a sentence stops.
     """
     B, K, device = src.shape[0], cfg.beam_size, src.device
-    cache = model.init_cache(model.encode(src, src_pad_mask), src_pad_mask)
+    session = model.start(src, src_pad_mask)
     max_len = max_lengths(src_pad_mask, cfg, limit, prefix)  # (N,)
     sentence = torch.arange(B, device=device)  # batch index of each searching sentence
     scores = torch.zeros(B, 1, device=device)  # (B, rows per sentence)
@@ -399,7 +369,7 @@ def beam_search(
     finished = Finished(B, K, device)
     for step in itertools.count():  # ends: EOS is forced once step reaches max_len
         interrupt.check_cancelled()
-        logits = model.decode_step(history[:, -1:], cache)  # (N, V)
+        logits = session.step(history[:, -1:])  # (N, V)
         forced = forced_tokens(prefix, step, sentence.repeat_interleave(scores.shape[1]))
         logprobs = next_logprobs(logits, step, max_len, history, cfg, forced)
         out = beam_step(scores, logprobs, K)
@@ -412,7 +382,7 @@ def beam_search(
         searching = (finished.count < K) & torch.isfinite(scores).any(dim=1)  # (B,)
         if not searching.any():
             break
-        stopped = follow_hypotheses(cache, rows, searching, expanding, K)
+        stopped = follow_hypotheses(session, rows, searching, expanding, K)
         if stopped is None:
             continue
         keep, keep_rows = stopped
@@ -424,25 +394,25 @@ def beam_search(
 
 
 def follow_hypotheses(
-    cache: DecodingCache, rows: Tensor, searching: Tensor, expanding: bool, K: int
+    session: DecodingSession, rows: Tensor, searching: Tensor, expanding: bool, K: int
 ) -> tuple[Tensor, Tensor] | None:
-    """Move the cache's rows to the step's kept hypotheses, rows (B * K,) of the last step's rows, leaving
+    """Move the session's rows to the step's kept hypotheses, rows (B * K,) of the last step's rows, leaving
     out the sentences that stopped (searching (B,) False). Returns None when none stopped, else the
     searching sentences' indices (B',) and their rows (B' * K,)."""
     if searching.all():
         if expanding:
-            cache.select(rows)  # each sentence's row becomes its K hypotheses
+            session.select(rows)  # each sentence's row becomes its K hypotheses
         else:
-            cache.reorder(rows)
+            session.reorder(rows)
         return None
     keep = searching.nonzero().flatten()
     keep_rows = (keep[:, None] * K + torch.arange(K, device=rows.device)).flatten()
-    cache.select(rows[keep_rows])  # rows of a kept sentence share its cross K/V, so this is exact
+    session.select(rows[keep_rows])  # rows of a kept sentence share its cross K/V, so this is exact
     return keep, keep_rows
 
 
 def search(
-    model: IncrementalModel[Memory, Cache],
+    model: Decodable,
     src: Tensor,
     src_pad_mask: Tensor,
     cfg: DecodeConfig,

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 from torch import Tensor
@@ -29,6 +29,7 @@ from seq2seq.data import make_batches, pad
 from seq2seq.ensemble import Ensemble
 from seq2seq.errors import DataError
 from seq2seq.model import Seq2SeqModel
+from seq2seq.model.session import Decodable
 from seq2seq.search import Hypothesis, search
 from seq2seq.tokenizer import Tokenizer, tag_line
 from seq2seq.vocab import EOS, PAD
@@ -44,7 +45,13 @@ class SearchFn(Protocol):
     per sentence, as `search.search`."""
 
     def __call__(
-        self, model: Any, src: Tensor, src_pad_mask: Tensor, cfg: DecodeConfig, limit: int, prefix: Tensor | None = None
+        self,
+        model: Decodable,
+        src: Tensor,
+        src_pad_mask: Tensor,
+        cfg: DecodeConfig,
+        limit: int,
+        prefix: Tensor | None = None,
     ) -> list[list[Hypothesis]]: ...
 
 
@@ -86,11 +93,11 @@ class TextTranslator:
         """Positions the model has: source subwords (EOS included), and target tokens (BOS included)."""
         raise NotImplementedError
 
-    def engine_info(self) -> dict[str, Any]:
+    def engine_info(self) -> dict[str, object]:
         """What runs the search (engine, device, parameters), for `seq2seq serve`'s GET /info."""
         raise NotImplementedError
 
-    def with_decode(self: T, **changes: Any) -> T:
+    def with_decode(self: T, **changes: object) -> T:
         """The same model and tokenizer with some decode settings changed (and checked again)."""
         translator = copy.copy(self)
         translator.decode = replace_checked(self.decode, changes, "decode settings", "decode.")
@@ -225,7 +232,7 @@ class Translator(TextTranslator):
         self.search_fn = search_fn  # scripts/bench_decode.py swaps in seq2seq.uncached.uncached_search
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path, device: str | torch.device = "cpu", **decode: Any) -> Translator:
+    def from_checkpoint(cls, path: str | Path, device: str | torch.device = "cpu", **decode: object) -> Translator:
         """Load a checkpoint; keyword arguments override its stored decode settings."""
         loaded = load_checkpoint(path, device)
         raw = to_dict(loaded.config)
@@ -237,7 +244,7 @@ class Translator(TextTranslator):
     def max_positions(self) -> int:
         return self.model.max_positions
 
-    def engine_info(self) -> dict[str, Any]:
+    def engine_info(self) -> dict[str, object]:
         parameters = sum(p.numel() for p in self.model.parameters())
         return {"engine": "pytorch", "device": str(self.device), "parameters": parameters}
 

@@ -1,9 +1,10 @@
 """Search without the key/value cache: the reference the cache is tested against, and its benchmark baseline.
 
-`UncachedModel` offers the incremental API that `seq2seq.search` drives, but
-each step reruns `Decoder.forward` over the whole prefix (quadratic in the
-length), the way training computes it. Used by tests/test_search.py and
-scripts/bench_decode.py; nothing else should decode this way.
+`UncachedModel` starts decoding sessions (seq2seq.model.session) that search
+drives like any model's, but each step reruns the decoder's teacher-forced
+`forward` over the whole prefix (quadratic in the length), the way training
+computes it. Used by tests/test_search.py and scripts/bench_decode.py; nothing
+else should decode this way.
 """
 
 from __future__ import annotations
@@ -12,20 +13,34 @@ import torch
 from torch import Tensor
 
 from seq2seq.config import DecodeConfig
-from seq2seq.model import Seq2SeqModel, Seq2SeqTransformer
+from seq2seq.model import Seq2SeqTransformer
 from seq2seq.model.attention import attention_mask
 from seq2seq.model.record import AttentionRecord
+from seq2seq.model.session import Decodable
+from seq2seq.model.transformer import Decoder
 from seq2seq.search import Hypothesis, search
 
 
-class PrefixState:
+class UncachedSession:
     """What an uncached decoder carries between steps: the encoder output and the whole prefix."""
 
-    def __init__(self, memory: Tensor, src_pad_mask: Tensor) -> None:
+    def __init__(self, decoder: Decoder, memory: Tensor, src_pad_mask: Tensor, need_attention: bool = False) -> None:
+        self.decoder = decoder
         self.memory = memory  # (N, S, D)
         self.memory_mask = attention_mask(src_pad_mask)  # (N, 1, 1, S)
         self.tokens = torch.zeros(memory.shape[0], 0, dtype=torch.long, device=memory.device)  # (N, t)
-        self.attention: AttentionRecord | None = None  # as DecoderCache's: one (N, L, H, S) entry per step
+        self.attention = AttentionRecord() if need_attention else None  # as a cached session's: (N, L, H, S) a step
+
+    def step(self, tokens: Tensor) -> Tensor:
+        self.tokens = torch.cat([self.tokens, tokens], dim=1)  # (N, t)
+        last = torch.zeros_like(self.tokens, dtype=torch.bool)
+        last[:, -1] = True  # one selected position per row: (N, V) in row order
+        logits, weights = self.decoder(
+            self.tokens, self.memory, self.memory_mask, last, need_attention=self.attention is not None
+        )
+        if self.attention is not None:
+            self.attention.end_step(weights)  # the last position's weights
+        return logits
 
     def reorder(self, index: Tensor) -> None:
         self.tokens = self.tokens.index_select(0, index)
@@ -37,36 +52,21 @@ class PrefixState:
 
 
 class UncachedModel:
-    """The incremental API without a cache. The encoder still runs once per batch,
+    """Decoding sessions without a cache. The encoder still runs once per batch,
     and only the last position is projected to the vocabulary, so the baseline
     pays just for the recomputed decoder layers."""
 
-    def __init__(self, model: Seq2SeqModel) -> None:
+    def __init__(self, model: Decodable) -> None:
         if not isinstance(model, Seq2SeqTransformer):  # an RNN's state *is* its cache: there is nothing to drop
             raise ValueError("uncached decoding is a Transformer baseline; this model is not a Transformer")
         self.model = model
 
-    def encode(self, src: Tensor, src_pad_mask: Tensor) -> Tensor:
-        return self.model.encode(src, src_pad_mask)
-
-    def init_cache(self, memory: Tensor, src_pad_mask: Tensor) -> PrefixState:
-        return PrefixState(memory, src_pad_mask)
-
-    def decode_step(self, tokens: Tensor, state: PrefixState) -> Tensor:
-        state.tokens = torch.cat([state.tokens, tokens], dim=1)  # (N, t)
-        last = torch.zeros_like(state.tokens, dtype=torch.bool)
-        last[:, -1] = True  # one selected position per row: (N, V) in row order
-        record = state.attention
-        logits, weights = self.model.decoder.run(
-            state.tokens, state.memory, state.memory_mask, last, need_weights=record is not None
-        )
-        if record is not None:
-            record.end_step(weights)  # the last position's weights
-        return logits
+    def start(self, src: Tensor, src_pad_mask: Tensor, need_attention: bool = False) -> UncachedSession:
+        return UncachedSession(self.model.decoder, self.model.encode(src, src_pad_mask), src_pad_mask, need_attention)
 
 
 def uncached_search(
-    model: Seq2SeqModel,
+    model: Decodable,
     src: Tensor,
     src_pad_mask: Tensor,
     cfg: DecodeConfig,

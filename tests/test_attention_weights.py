@@ -17,7 +17,7 @@ from seq2seq.alignment import model_attention, parse_layer, require_attention, s
 from seq2seq.config import DecodeConfig, RNNConfig
 from seq2seq.ensemble import Ensemble
 from seq2seq.errors import AttentionError, ConfigError
-from seq2seq.model import AttentionRecord, Seq2SeqModel, Seq2SeqRNN, build_model
+from seq2seq.model import Seq2SeqModel, Seq2SeqRNN, build_model
 from seq2seq.search import search
 from seq2seq.uncached import UncachedModel
 from seq2seq.vocab import BOS, EOS, PAD
@@ -102,13 +102,13 @@ def test_recording_is_off_unless_asked_and_changes_no_logits(name: str) -> None:
     model = tiny_model(**MODELS[name])
     src, mask = sources()
     inputs = torch.cat([torch.full_like(targets()[:, :1], BOS), targets()[:, :-1]], dim=1)
-    plain = model.init_cache(model.encode(src, mask), mask)
-    recording = model.init_cache(model.encode(src, mask), mask)
+    plain = model.start(src, mask)
+    recording = model.start(src, mask, need_attention=True)
     assert plain.attention is None
-    recording.attention = AttentionRecord()
+    assert recording.attention is not None
     for t in range(inputs.shape[1]):
-        logits = model.decode_step(inputs[:, t : t + 1], plain)
-        torch.testing.assert_close(model.decode_step(inputs[:, t : t + 1], recording), logits, **CLOSE)
+        logits = plain.step(inputs[:, t : t + 1])
+        torch.testing.assert_close(recording.step(inputs[:, t : t + 1]), logits, **CLOSE)
     assert plain.attention is None
     assert len(recording.attention.steps) == inputs.shape[1]
 
@@ -122,18 +122,18 @@ def test_weights_follow_repeated_and_dropped_rows(name: str) -> None:
     src, mask = sources()
     tgt = targets()
     full = model.cross_attention(src, mask, torch.cat([torch.full_like(tgt[:, :1], BOS), tgt[:, :-1]], dim=1))
-    cache = model.init_cache(model.encode(src, mask), mask)
-    cache.attention = AttentionRecord()
+    session = model.start(src, mask, need_attention=True)
+    assert session.attention is not None
     row_sentence = torch.arange(3).repeat_interleave(2)  # (6,): two rows per sentence
-    cache.select(row_sentence)
+    session.select(row_sentence)
     drops = {2: [0, 1, 2, 3, 5], 3: [0, 2, 3]}  # one row stops (kept as a map), then two more (copied away)
     for t in range(5):
         if t in drops:
             keep = torch.tensor(drops[t])
-            cache.select(keep)
+            session.select(keep)
             row_sentence = row_sentence[keep]
-        model.decode_step(tgt[row_sentence, t - 1 : t] if t else torch.full((len(row_sentence), 1), BOS), cache)
-        torch.testing.assert_close(cache.attention.steps[t], full[row_sentence, t], **CLOSE)
+        session.step(tgt[row_sentence, t - 1 : t] if t else torch.full((len(row_sentence), 1), BOS))
+        torch.testing.assert_close(session.attention.steps[t], full[row_sentence, t], **CLOSE)
 
 
 def test_a_model_without_attention_is_refused() -> None:
@@ -216,15 +216,15 @@ def test_uncached_decoding_records_the_same_weights(name: str) -> None:
 @pytest.mark.parametrize("name", ["pre", "rnn-mlp"])
 @torch.no_grad()
 def test_decoding_writes_only_into_its_own_record(name: str) -> None:
-    """Each step records into its own cache's record or none: a session's record gets nothing from another
+    """Each step records into its own session's record or none: a session's record gets nothing from another
     session's steps, nor from search or a teacher-forced pass run meanwhile."""
     model = tiny_model(**MODELS[name])
     src, mask = sources()
     inputs = torch.cat([torch.full_like(targets()[:, :1], BOS), targets()[:, :-1]], dim=1)
-    mine, idle = (model.init_cache(model.encode(src, mask), mask) for _ in range(2))
-    mine.attention, idle.attention = AttentionRecord(), AttentionRecord()
+    mine, idle = (model.start(src, mask, need_attention=True) for _ in range(2))
+    assert mine.attention is not None and idle.attention is not None
     for t in range(3):
-        model.decode_step(inputs[:, t : t + 1], mine)
+        mine.step(inputs[:, t : t + 1])
         hypotheses = search(model, src, mask, DecodeConfig(beam_size=2, max_len_b=5), 31)
         teacher_forced_attention(model, src, mask, targets())
     assert all(hypotheses) and len(mine.attention.steps) == 3 and idle.attention.steps == []

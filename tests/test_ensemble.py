@@ -6,14 +6,18 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from conftest import reversal_pairs
+import torch
+from conftest import model_config, reversal_pairs
 
 from seq2seq import checkpoint as ckpt
 from seq2seq.cli import main
-from seq2seq.ensemble import Ensemble, load_ensemble
-from seq2seq.model import build_model
+from seq2seq.config import DecodeConfig, RNNConfig
+from seq2seq.ensemble import Ensemble, EnsembleSession, load_ensemble
+from seq2seq.model import RNNSession, Seq2SeqRNN, Seq2SeqTransformer, TransformerSession, build_model
+from seq2seq.search import search
 from seq2seq.tokenizer import train_tokenizer
 from seq2seq.translate import Translator
+from seq2seq.vocab import BOS, EOS, PAD
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LINES = ["red cat dog sun", "blue tree house car bird fish", "moon", "green green bird"]
@@ -65,3 +69,39 @@ def test_the_ensemble_limit_is_its_shortest_member(trained_run: Path) -> None:
     short = dataclasses.replace(stored.config.model, max_positions=64)
     members = [build_model(stored.config.model, vocab, vocab), build_model(short, vocab, vocab)]
     assert members[0].max_positions > 64 and Ensemble(members).max_positions == 64
+
+
+@torch.no_grad()
+def test_a_transformer_and_an_rnn_decode_together_through_their_sessions() -> None:
+    """Members of different kinds, each driven through its own session: every step of the ensemble's session is
+    the mean of the members' log-probabilities, through `select` and `reorder` too, and search runs over it."""
+    vocab, small = 19, {"d_model": 16, "dropout": 0.0, "max_positions": 32}
+    torch.manual_seed(0)
+    transformer = build_model(
+        model_config(n_heads=2, d_ff=32, encoder_layers=2, decoder_layers=2, **small), vocab, vocab
+    )
+    rnn = build_model(
+        model_config(arch="rnn", rnn=RNNConfig(attention="dot", hidden_size=12, layers=1), **small), vocab, vocab
+    )
+    assert isinstance(transformer, Seq2SeqTransformer) and isinstance(rnn, Seq2SeqRNN)
+    ensemble = Ensemble([transformer, rnn]).eval()
+    src = torch.tensor([[5, 6, 7, EOS], [8, 9, EOS, PAD]])
+    mask = src == PAD
+    alone, recurrent, together = transformer.start(src, mask), rnn.start(src, mask), ensemble.start(src, mask)
+    assert isinstance(alone, TransformerSession) and isinstance(recurrent, RNNSession)
+    assert isinstance(together, EnsembleSession) and together.attention is None
+    moves = {1: ("select", torch.tensor([0, 0, 1, 1])), 2: ("reorder", torch.tensor([1, 0, 3, 2]))}
+    tokens = torch.full((2, 1), BOS)
+    for t in range(4):
+        if t in moves:
+            how, index = moves[t]
+            for session in (alone, recurrent, together):
+                getattr(session, how)(index)
+            tokens = tokens[index]
+        members = [torch.log_softmax(session.step(tokens).float(), dim=-1) for session in (alone, recurrent)]
+        logprobs = together.step(tokens)
+        torch.testing.assert_close(logprobs, torch.stack(members).mean(dim=0), rtol=0, atol=0)
+        tokens = logprobs.argmax(dim=-1, keepdim=True)
+    for strategy in ("greedy", "beam"):
+        hypotheses = search(ensemble, src, mask, DecodeConfig(strategy=strategy, beam_size=2, nbest=2, max_len_b=6), 31)
+        assert all(sentence and all(h.tokens[-1] == EOS for h in sentence) for sentence in hypotheses)

@@ -19,11 +19,11 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend
 
 from seq2seq.config import RNNConfig
-from seq2seq.model import DecoderCache, MultiHeadAttention, Seq2SeqModel, build_model, kernel_scope, training_kernel
+from seq2seq.model import MultiHeadAttention, Seq2SeqModel, build_model, kernel_scope, training_kernel
 from seq2seq.model.packed import onednn_available
 from seq2seq.model.plan import CPU_KERNEL
 from seq2seq.model.rnn import Encoded
-from seq2seq.model.transformer import DecodingPlan, Seq2SeqTransformer, sinusoidal_table
+from seq2seq.model.transformer import DecodingPlan, Seq2SeqTransformer, TransformerSession, sinusoidal_table
 from seq2seq.vocab import BOS, EOS, PAD
 
 VOCAB = 23
@@ -235,8 +235,8 @@ def on(device: torch.device, *tensors: Tensor) -> tuple[Tensor, ...]:
 
 
 def decode_incrementally(model: Seq2SeqModel, src: Tensor, mask: Tensor, tgt: Tensor) -> Tensor:
-    cache = model.init_cache(model.encode(src, mask), mask)
-    return torch.stack([model.decode_step(tgt[:, t : t + 1], cache) for t in range(tgt.shape[1])], dim=1)
+    session = model.start(src, mask)
+    return torch.stack([session.step(tgt[:, t : t + 1]) for t in range(tgt.shape[1])], dim=1)
 
 
 @pytest.mark.parametrize(("name", "kernel"), WITH_KERNELS)
@@ -259,23 +259,23 @@ def test_cache_reorder_and_select_follow_the_rows(name: str, device: torch.devic
     src, mask, tgt = on(device, *source_batch(), target_batch(length=6))
     expected = model(src, mask, tgt)
 
-    cache = model.init_cache(model.encode(src, mask), mask)
+    session = model.start(src, mask)
     for t in range(3):
-        model.decode_step(tgt[:, t : t + 1], cache)
+        session.step(tgt[:, t : t + 1])
     rows = torch.tensor([2, 0, 0, 1], device=device)  # drop nothing, repeat row 0, permute
-    cache.select(rows)
-    steps = [model.decode_step(tgt[rows, t : t + 1], cache) for t in range(3, 6)]
+    session.select(rows)
+    steps = [session.step(tgt[rows, t : t + 1]) for t in range(3, 6)]
     torch.testing.assert_close(torch.stack(steps, dim=1), expected[rows, 3:], **CLOSE)
 
     # `reorder` moves only the target-side state: valid within one sentence's identical sources.
     same = src[:1].expand(3, -1).contiguous(), mask[:1].expand(3, -1).contiguous()
     expected = model(*same, tgt)
-    cache = model.init_cache(model.encode(*same), same[1])
+    session = model.start(*same)
     for t in range(3):
-        model.decode_step(tgt[:, t : t + 1], cache)
+        session.step(tgt[:, t : t + 1])
     order = torch.tensor([1, 2, 0], device=device)
-    cache.reorder(order)
-    steps = [model.decode_step(tgt[order, t : t + 1], cache) for t in range(3, 6)]
+    session.reorder(order)
+    steps = [session.step(tgt[order, t : t + 1]) for t in range(3, 6)]
     torch.testing.assert_close(torch.stack(steps, dim=1), expected[order, 3:], **CLOSE)
 
 
@@ -293,9 +293,10 @@ def test_cache_follows_beams_and_dropped_rows(name: str, device: torch.device) -
     src, mask, tgt = on(device, *source_batch(), tgt)
     sentence = torch.arange(3, device=device).repeat_interleave(K)
     expected = model(src[sentence], mask[sentence], tgt)  # (3K, length, V)
-    cache = model.init_cache(model.encode(src, mask), mask)
-    cache.select(sentence)
-    assert isinstance(cache, DecoderCache) and cache.group == K
+    session = model.start(src, mask)
+    session.select(sentence)
+    assert isinstance(session, TransformerSession) and session.cache.group == K
+    cache = session.cache
     row = torch.arange(3 * K, device=device)  # the hypothesis (row of tgt) each row of the cache holds
     within = torch.tensor([3, 1, 2, 0, 4, 6, 5, 7, 9, 8, 11, 10], device=device)
     changes = {
@@ -307,11 +308,11 @@ def test_cache_follows_beams_and_dropped_rows(name: str, device: torch.device) -
     for t in range(length):
         if t in changes:
             how, index = changes[t]
-            getattr(cache, how)(index)
+            getattr(session, how)(index)
             row = row[index]
             if t == 3:
                 assert cache.rows is not None and cache.batch_size == 11
-        logits = model.decode_step(tgt[row, t : t + 1], cache)
+        logits = session.step(tgt[row, t : t + 1])
         torch.testing.assert_close(logits, expected[row, t], **CLOSE)
 
 
@@ -357,14 +358,14 @@ def test_each_session_gets_the_models_plan_and_data_of_its_own() -> None:
     model = tiny_model(**variant("post")).eval()
     assert isinstance(model, Seq2SeqTransformer)
     src, mask = source_batch()
-    first = model.init_cache(model.encode(src, mask), mask)
-    second = model.init_cache(model.encode(src[:2], mask[:2]), mask[:2])
+    first = model.start(src, mask)
+    second = model.start(src[:2], mask[:2])
     assert (first.plan is second.plan) == onednn_available() and first.plan.kernel == CPU_KERNEL
     assert (first.plan.linear(model.decoder.output) is not model.decoder.output) == onednn_available()
     plan = second.plan
-    model.decode_step(target_batch()[:2, :1], second)
-    assert second.plan is plan and first.self_kv is None and second.self_kv is not None
-    assert first.cross.shape[2] == 3 and second.cross.shape[2] == 2
+    second.step(target_batch()[:2, :1])
+    assert second.plan is plan and first.cache.self_kv is None and second.cache.self_kv is not None
+    assert first.cache.cross.shape[2] == 3 and second.cache.cross.shape[2] == 2
 
 
 @torch.no_grad()

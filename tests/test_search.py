@@ -1,7 +1,7 @@
 """Search on a scripted fake model (known best hypotheses and scores) and on the trained tiny model.
 
-The fake model offers only `encode`, `init_cache`, `decode_step` and a cache
-with `reorder`/`select`, so these tests also check that search needs nothing else.
+The fake model offers only `start` and a session with `step`, `reorder`/`select`,
+so these tests also check that search needs nothing else.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ Script = Callable[[int, tuple[int, ...]], dict[int, float]]
 class FakeCache:
     """Rows of (sentence id, prefix); checks that `reorder` never moves a row to another sentence."""
 
-    def __init__(self, sentences: list[int]) -> None:
+    def __init__(self, model: ScriptedModel, sentences: list[int]) -> None:
+        self.model = model
         self.sentences = sentences
         self.prefixes: list[tuple[int, ...]] = [() for _ in sentences]
         self.calls: list[tuple[str, int]] = []
@@ -62,6 +63,9 @@ class FakeCache:
         self.prefixes = [self.prefixes[i] for i in rows]
         self.calls.append(("select", len(rows)))
 
+    def step(self, tokens: Tensor) -> Tensor:
+        return self.model.decode_step(tokens, self)
+
 
 class ScriptedModel:
     """Fixed next-token distributions per (sentence, prefix); the sentence id is the first source token."""
@@ -73,12 +77,10 @@ class ScriptedModel:
         self.caches: list[FakeCache] = []
         self.encoded = 0
 
-    def encode(self, src: Tensor, src_pad_mask: Tensor) -> Tensor:
+    def start(self, src: Tensor, src_pad_mask: Tensor, need_attention: bool = False) -> FakeCache:
         self.encoded += 1
-        return src.float()[:, :, None]  # (B, S, 1): stands in for the encoder output
-
-    def init_cache(self, memory: Tensor, src_pad_mask: Tensor) -> FakeCache:
-        self.caches.append(FakeCache(memory[:, 0, 0].long().tolist()))
+        memory = src.float()[:, :, None]  # (B, S, 1): stands in for the encoder output
+        self.caches.append(FakeCache(self, memory[:, 0, 0].long().tolist()))
         return self.caches[-1]
 
     def decode_step(self, tokens: Tensor, cache: FakeCache) -> Tensor:

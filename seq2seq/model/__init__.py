@@ -5,22 +5,27 @@ from seq2seq.model.build import Seq2SeqModel, build_model
 from seq2seq.model.cache import DecoderCache, LayerCache
 from seq2seq.model.layers import DecoderLayer, EncoderLayer, FeedForward
 from seq2seq.model.record import AttentionRecord
-from seq2seq.model.rnn import RNNCache, Seq2SeqRNN
-from seq2seq.model.transformer import Seq2SeqTransformer
+from seq2seq.model.rnn import RNNCache, RNNSession, Seq2SeqRNN
+from seq2seq.model.session import Decodable, DecodingSession
+from seq2seq.model.transformer import Seq2SeqTransformer, TransformerSession
 
 __all__ = [
     "AttentionRecord",
+    "Decodable",
     "DecoderCache",
     "DecoderLayer",
+    "DecodingSession",
     "EncoderLayer",
     "FeedForward",
     "Kernels",
     "LayerCache",
     "MultiHeadAttention",
     "RNNCache",
+    "RNNSession",
     "Seq2SeqModel",
     "Seq2SeqRNN",
     "Seq2SeqTransformer",
+    "TransformerSession",
     "build_model",
     "kernel_scope",
     "training_kernel",

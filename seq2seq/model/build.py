@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from seq2seq.config import ModelConfig
-from seq2seq.model.rnn import Seq2SeqRNN, build_rnn
-from seq2seq.model.transformer import Seq2SeqTransformer, build_transformer
+from seq2seq.model.rnn import RNNSession, Seq2SeqRNN, build_rnn
+from seq2seq.model.transformer import Seq2SeqTransformer, TransformerSession, build_transformer
+
+if TYPE_CHECKING:
+    from seq2seq.model.session import Decodable, DecodingSession
 
 Seq2SeqModel = Seq2SeqTransformer | Seq2SeqRNN
-"""Either offers `forward(src, src_pad_mask, tgt_in, select)` for training, `encode`, `init_cache` and
-`decode_step` for search (`seq2seq.search.IncrementalModel`, with a cache that can `reorder` and `select`
-and carries an attention record), and `max_positions`."""
+"""Either offers `forward(src, src_pad_mask, tgt_in, select)` for training, `start(src, src_pad_mask,
+need_attention)` for search (`seq2seq.model.session.Decodable`: a session that steps, can `reorder` and
+`select`, and records attention when asked), and `max_positions`."""
 
 
 def build_model(cfg: ModelConfig, src_vocab_size: int, tgt_vocab_size: int) -> Seq2SeqModel:
@@ -17,3 +22,11 @@ def build_model(cfg: ModelConfig, src_vocab_size: int, tgt_vocab_size: int) -> S
     if cfg.arch == "rnn":
         return build_rnn(cfg, src_vocab_size, tgt_vocab_size)
     return build_transformer(cfg, src_vocab_size, tgt_vocab_size)
+
+
+if TYPE_CHECKING:  # for mypy only: each model starts sessions that search can drive
+
+    def _sessions(
+        transformer: Seq2SeqTransformer, rnn: Seq2SeqRNN, steps: TransformerSession, recurrent: RNNSession
+    ) -> tuple[Decodable, Decodable, DecodingSession, DecodingSession]:
+        return transformer, rnn, steps, recurrent

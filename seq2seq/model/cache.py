@@ -1,22 +1,24 @@
-"""The Transformer's decoding cache: what a decoding session carries between steps.
+"""The Transformer's decoding cache: the data a decoding session carries between steps.
 
 Notation: L decoder layers, N rows search sees, P rows stored, G source
 sentences, H heads, S source length, Dh head dim.
 
-A `DecoderCache` holds data only: keys, values, positions, the row map, and
-the attention record when one is asked for; plus, as one separate field, the
-session's `StepPlan` (seq2seq.model.plan), which says how steps run and is
-never changed by them. Attention itself is computed by the modules
-(seq2seq.model.attention), which read and extend this data.
+A `DecoderCache` holds data only: keys, values, positions and the row map;
+plus, as one separate field, the session's `StepPlan` (seq2seq.model.plan),
+which says how steps run and is never changed by them: the cache hands it to
+the layers. The session (`seq2seq.model.transformer.TransformerSession`) owns
+both, and the attention record when one is asked for. Attention itself is
+computed by the modules (seq2seq.model.attention), which read and extend this
+data.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from seq2seq.model.packed import Linear
 from seq2seq.model.plan import StepPlan
-from seq2seq.model.record import AttentionRecord
 
 
 class LayerCache:
@@ -37,6 +39,10 @@ class LayerCache:
     def plan(self) -> StepPlan:
         """How the session's steps run its projections and attention (seq2seq.model.plan)."""
         return self.cache.plan
+
+    def query(self, attention: nn.Module) -> Linear:
+        """How the session's steps project a cross-attention module's queries (`StepPlan.query`)."""
+        return self.cache.plan.query(attention)
 
     @property
     def length(self) -> int:
@@ -67,7 +73,7 @@ class LayerCache:
 
 
 class DecoderCache:
-    """A Transformer decoding session: its `plan` (how its steps run, fixed when it starts) and, apart
+    """A Transformer decoding session's data: its `plan` (how its steps run, fixed when it starts) and, apart
     from it, the data its steps read and extend, as visible values.
 
     Each kind of key/value lives in one tensor for all L layers, so that beam
@@ -102,9 +108,6 @@ class DecoderCache:
         self.self_kv: Tensor | None = None  # (L, 2, P, H, capacity, Dh): the first P rows of _buffer
         self._buffer: Tensor | None = None
         self._cross_bias: Tensor | None = None
-        # None: nothing recorded. A record: each step keeps its cross-attention weights (N, L, H, S) in
-        # `attention.steps`, rows as they are at that step (reorder and select leave what was recorded alone).
-        self.attention: AttentionRecord | None = None
         self.layers = [LayerCache(self, i) for i in range(cross.shape[0])]
 
     @property

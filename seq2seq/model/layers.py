@@ -126,9 +126,9 @@ class DecoderLayer(nn.Module):
         memory: Tensor | None,
         memory_mask: Tensor | None,
         cache: LayerCache | None = None,
-        need_weights: bool = False,
+        need_attention: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
-        """x (B, T, D) through the layer -> (B, T, D) and, with `need_weights`, the cross-attention weights
+        """x (B, T, D) through the layer -> (B, T, D) and, with `need_attention`, the cross-attention weights
         (B, H, T, S); else None.
 
         Without `cache`, a teacher-forced pass over the encoder output `memory` (B, S, D),
@@ -139,7 +139,7 @@ class DecoderLayer(nn.Module):
         """
         x = self.self_block(x, lambda h: self.self_attn.self_attention(h, causal=True, cache=cache))
         out, weights = self.cross_attn.cross_attention(
-            self.cross_block.enter(x), memory, memory_mask, cache, need_weights
+            self.cross_block.enter(x), memory, memory_mask, cache, need_attention
         )
         x = self.cross_block.leave(x, out)
         return self.ffn_block(x, self.ffn if cache is None else cache.plan.linear(self.ffn)), weights

@@ -40,7 +40,7 @@ class StepPlan:
     `query(attention)` for a cross-attention's W_Q, a slice of its in_proj,
     cut once per session rather than at every step).
     The kernel is the attention of a step; a cross-attention whose weights are
-    asked for (`need_weights`) spells the attention out instead, to return them.
+    asked for (`need_attention`) spells the attention out instead, to return them.
     """
 
     linears: Mapping[nn.Module, Linear]  # what runs instead of a module: packed copies; a cross-attention's W_Q

@@ -1,4 +1,4 @@
-"""Recurrent encoder-decoders (Sutskever et al., 2014; Luong et al., 2015) and their incremental API.
+"""Recurrent encoder-decoders (Sutskever et al., 2014; Luong et al., 2015) and their decoding session.
 
 Notation: B batch, S source length, T target length, D embedding size (model.d_model),
 H the decoder's hidden size (model.rnn.hidden_size), L layers, V vocabulary.
@@ -28,11 +28,11 @@ recurrence, and attention masks them, so they never change a real position.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple, overload
 
 import torch
 from torch import Tensor, nn
-from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from seq2seq.config import ModelConfig
 from seq2seq.model.embedding import Embedding, output_layer, token_embeddings
@@ -41,8 +41,15 @@ from seq2seq.model.record import AttentionRecord
 State = tuple[Tensor, ...]  # (h,) for a GRU, (h, c) for an LSTM; each (L, B, H)
 
 
-def run_rnn(rnn: nn.RNNBase, x: Any, state: State | None) -> tuple[Any, State]:
-    """One call of a GRU or LSTM with the state as a tuple of tensors, whatever the cell.
+@overload
+def run_rnn(rnn: nn.RNNBase, x: Tensor, state: State | None) -> tuple[Tensor, State]: ...
+@overload
+def run_rnn(rnn: nn.RNNBase, x: PackedSequence, state: State | None) -> tuple[PackedSequence, State]: ...
+
+
+def run_rnn(rnn: nn.RNNBase, x: Tensor | PackedSequence, state: State | None) -> tuple[Tensor | PackedSequence, State]:
+    """One call of a GRU or LSTM with the state as a tuple of tensors, whatever the cell: x (B, T, in), or a
+    packed batch, and the output of the same kind.
 
     The recurrence runs in float32 even under autocast: oneDNN's bf16 LSTM refuses
     inputs of mixed precision, and a recurrence accumulates its rounding anyway.
@@ -151,9 +158,6 @@ class RNNCache:
         self.keys = keys  # (N, S, H), or None without attention
         self.pad_mask = pad_mask  # (N, S) True at padding
         self.context = context  # (N, H) the fixed context vector c, or None unless model.rnn.context_every_step
-        # None: nothing recorded. A record: each step keeps its alignment weights (N, 1, 1, S) in
-        # `attention.steps` (one layer, one head, like the Transformer's (N, L, H, S)), rows as they are then.
-        self.attention: AttentionRecord | None = None
 
     @property
     def batch_size(self) -> int:
@@ -220,14 +224,6 @@ class RNNDecoder(nn.Module):
             a = a[select]  # (N, D): project only the positions that are scored
         return self.output(a), weights  # (B, T, V) or (N, V)
 
-    def step(self, tokens: Tensor, cache: RNNCache) -> Tensor:
-        """Logits (B, V) for the next position, given the last tokens (B, 1): `run` over one position; the
-        cache's attention record, when it has one, keeps the alignment weights."""
-        logits, weights = self.run(tokens, cache)
-        if cache.attention is not None:
-            cache.attention.end_step([w[:, None, None, :] for w in weights])  # one layer, one head, one position
-        return logits[:, 0]  # (B, V)
-
     def fixed_vector_steps(self, x: Tensor, cache: RNNCache) -> Tensor:
         """Steps without attention, the whole target in one call (training) or one (search):
         x (B, T, D) -> a (B, T, D); updates the cache's state."""
@@ -250,8 +246,32 @@ class RNNDecoder(nn.Module):
         return cache.feed, weights
 
 
+class RNNSession:
+    """An RNN decoding session (seq2seq.model.session): the decoder and the cache its steps advance."""
+
+    def __init__(self, decoder: RNNDecoder, cache: RNNCache, need_attention: bool = False) -> None:
+        self.decoder = decoder
+        self.cache = cache
+        # None: nothing recorded. A record: each step keeps its alignment weights (N, 1, 1, S) in
+        # `attention.steps` (one layer, one head, like the Transformer's (N, L, H, S)), rows as they are then.
+        self.attention = AttentionRecord() if need_attention else None
+
+    def step(self, tokens: Tensor) -> Tensor:
+        """Logits (N, V) for the next position, given the last tokens (N, 1): the decoder over one position."""
+        logits, weights = self.decoder.run(tokens, self.cache)
+        if self.attention is not None:
+            self.attention.end_step([w[:, None, None, :] for w in weights])  # one layer, one head, one position
+        return logits[:, 0]  # (N, V)
+
+    def reorder(self, index: Tensor) -> None:
+        self.cache.reorder(index)
+
+    def select(self, index: Tensor) -> None:
+        self.cache.select(index)
+
+
 class Seq2SeqRNN(nn.Module):
-    """The same interface as Seq2SeqTransformer: `forward` for training, the incremental API for search."""
+    """The same interface as Seq2SeqTransformer: `forward` for training, `start` (a decoding session) for search."""
 
     def __init__(self, encoder: RNNEncoder, bridge: Bridge, decoder: RNNDecoder) -> None:
         super().__init__()
@@ -285,9 +305,10 @@ class Seq2SeqRNN(nn.Module):
         feed = memory.new_zeros(memory.shape[0], self.decoder.output.in_features)  # a_0 = 0
         return RNNCache(state, feed, memory, attention.keys(memory), src_pad_mask)
 
-    def decode_step(self, tokens: Tensor, cache: RNNCache) -> Tensor:
-        """Logits (B, V) for the next position, given the last tokens (B, 1); advances `cache`."""
-        return self.decoder.step(tokens, cache)
+    def start(self, src: Tensor, src_pad_mask: Tensor, need_attention: bool = False) -> RNNSession:
+        """Start decoding sources (B, S): encode them and set up the decoder's cache (`init_cache`). With
+        `need_attention` the session records every step's alignment weights."""
+        return RNNSession(self.decoder, self.init_cache(self.encode(src, src_pad_mask), src_pad_mask), need_attention)
 
     @property
     def max_positions(self) -> int:

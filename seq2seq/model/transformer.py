@@ -1,10 +1,11 @@
-"""The Transformer encoder-decoder (Vaswani et al., 2017) and its incremental API.
+"""The Transformer encoder-decoder (Vaswani et al., 2017) and its decoding session.
 
 Notation: B batch, S source length, T target length, D d_model, V vocabulary.
 
-Search code uses only `encode`, `init_cache`, `decode_step` and the cache's
-`reorder`/`select`; training uses `forward`. Both run the same layers; a
-decoding step runs them as its session's plan says (seq2seq.model.plan).
+Search code uses only `start` and the session it returns (`TransformerSession`:
+`step`, `reorder`, `select`, `attention`; seq2seq.model.session); training uses
+`forward`. Both run the decoder's one `forward`; a decoding step runs it with
+the session's cache, as the session's plan says (seq2seq.model.plan).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from seq2seq.model.packed import (
     plain_linear,
 )
 from seq2seq.model.plan import CPU_KERNEL, FUSED_KERNEL, StepPlan
+from seq2seq.model.record import AttentionRecord
 
 
 class Encoder(nn.Module):
@@ -63,54 +65,39 @@ class Decoder(nn.Module):
         self.final_norm = final_norm
         self.output = output  # (V, D) weight, tied to the embedding unless configured otherwise
 
-    def forward(self, tgt_in: Tensor, memory: Tensor, memory_mask: Tensor, select: Tensor | None = None) -> Tensor:
-        """Teacher-forced logits (B, T, V), or (N, V) at the `select`ed positions."""
-        return self.run(tgt_in, memory, memory_mask, select)[0]
-
-    def run(
+    def forward(
         self,
         tgt_in: Tensor,
-        memory: Tensor,
-        memory_mask: Tensor,
+        memory: Tensor | None = None,
+        memory_mask: Tensor | None = None,
         select: Tensor | None = None,
-        need_weights: bool = False,
+        cache: DecoderCache | None = None,
+        need_attention: bool = False,
     ) -> tuple[Tensor, list[Tensor]]:
-        """`forward`'s logits and, with `need_weights`, each layer's cross-attention weights (B, H, T, S),
-        bottom first; without, an empty list."""
-        x, weights = self.layer_stack(self.embedding(tgt_in), memory, memory_mask, None, need_weights)  # (B, T, D)
-        if select is not None:
-            x = x[select]  # (N, D): project only the positions that are scored
-        return self.output(x), weights  # (B, T, V) or (N, V)
+        """Logits and, with `need_attention`, each layer's cross-attention weights, bottom first (else none).
 
-    def step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
-        """Logits (N, V) for the next position; each layer runs as the session's plan (`cache.plan`) says.
-        When the cache carries an attention record, the layers are asked for their cross-attention weights,
-        which the record keeps."""
-        record = cache.attention
-        x = self.embedding(cache.stored(tokens), start=cache.step)  # (P, 1, D)
-        x, weights = self.layer_stack(x, None, None, cache, need_weights=record is not None)
-        if record is not None:
-            record.end_step(weights, cache.searched)  # (N, L, H, S)
-        cache.step += 1
-        return cache.plan.linear(self.output)(cache.searched(x[:, 0]))  # (N, V)
-
-    def layer_stack(
-        self,
-        x: Tensor,
-        memory: Tensor | None,
-        memory_mask: Tensor | None,
-        cache: DecoderCache | None,
-        need_weights: bool,
-    ) -> tuple[Tensor, list[Tensor]]:
-        """x (B, T, D) through every layer and the final norm, each layer with its part of `cache` when there is
-        one (`DecoderLayer.forward`), and with `need_weights` each layer's cross-attention weights, bottom first."""
+        Without `cache`, a teacher-forced pass over the encoder output `memory` (B, S, D), `memory_mask`
+        (B, 1, 1, S) True where allowed: logits (B, T, V), or (N, V) at the `select`ed positions (B, T) bool,
+        and weights (B, H, T, S). With `cache`, a decoding step (`memory` goes unused): `tgt_in` (N, T) holds
+        the positions after the cached ones, each layer reads and extends its part of the cache and runs as
+        the session's plan says (`cache.plan`); logits (N, V) of the last position, weights (N, H, T, S).
+        """
+        start = 0 if cache is None else cache.step
+        x = self.embedding(tgt_in if cache is None else cache.stored(tgt_in), start=start)  # (B, T, D) or (P, T, D)
         caches: list[LayerCache | None] = [None] * len(self.layers) if cache is None else list(cache.layers)
         weights: list[Tensor] = []
         for layer, layer_cache in zip(self.decoder_layers(), caches):
-            x, layer_weights = layer(x, memory, memory_mask, layer_cache, need_weights)
+            x, layer_weights = layer(x, memory, memory_mask, layer_cache, need_attention)
             if layer_weights is not None:
                 weights.append(layer_weights)
-        return self.final_norm(x), weights
+        x = self.final_norm(x)
+        if cache is None:
+            if select is not None:
+                x = x[select]  # (N, D): project only the positions that are scored
+            return self.output(x), weights  # (B, T, V) or (N, V)
+        cache.step += tgt_in.shape[1]
+        logits = cache.plan.linear(self.output)(cache.searched(x[:, -1]))  # (N, V)
+        return logits, [cache.searched(w) for w in weights]
 
     def decoder_layers(self) -> list[DecoderLayer]:
         return [cast(DecoderLayer, layer) for layer in self.layers]
@@ -196,6 +183,31 @@ class DecodingPlan:
         return {**self.__dict__, "_packed": None}  # copies and pickles pack again when they decode
 
 
+class TransformerSession:
+    """A Transformer decoding session (seq2seq.model.session): the decoder, the session's plan (`plan`, fixed when
+    it starts) and the cache its steps read and extend (`cache`, which hands the plan to the layers)."""
+
+    def __init__(self, decoder: Decoder, cache: DecoderCache, need_attention: bool = False) -> None:
+        self.decoder = decoder
+        self.cache = cache
+        self.plan = cache.plan
+        self.attention = AttentionRecord() if need_attention else None
+
+    def step(self, tokens: Tensor) -> Tensor:
+        """Logits (N, V) for the next position, given the last tokens (N, 1); the layers are asked for their
+        cross-attention weights only when the session records them."""
+        logits, weights = self.decoder(tokens, cache=self.cache, need_attention=self.attention is not None)
+        if self.attention is not None:
+            self.attention.end_step(weights)  # (N, L, H, S)
+        return logits
+
+    def reorder(self, index: Tensor) -> None:
+        self.cache.reorder(index)
+
+    def select(self, index: Tensor) -> None:
+        self.cache.select(index)
+
+
 class Seq2SeqTransformer(nn.Module):
     def __init__(self, encoder: Encoder, decoder: Decoder) -> None:
         super().__init__()
@@ -216,28 +228,30 @@ class Seq2SeqTransformer(nn.Module):
         before the most expensive matmul rather than after it.
         """
         memory = self.encoder(src, src_pad_mask)
-        return self.decoder(tgt_in, memory, attention_mask(src_pad_mask), select)
+        return self.decoder(tgt_in, memory, attention_mask(src_pad_mask), select)[0]
 
     @torch.no_grad()
     def cross_attention(self, src: Tensor, src_pad_mask: Tensor, tgt_in: Tensor) -> Tensor:
         """Teacher-forced cross-attention weights (B, T, L, H, S) of target inputs (B, T), BOS first.
 
-        Row t is the attention while predicting target token t, as the incremental
-        API records it step by step (`DecoderCache.attention`).
+        Row t is the attention while predicting target token t, as a decoding session
+        started with `need_attention` records it step by step (`TransformerSession.attention`).
         """
         memory = self.encoder(src, src_pad_mask)
-        _, weights = self.decoder.run(tgt_in, memory, attention_mask(src_pad_mask), need_weights=True)
+        _, weights = self.decoder(tgt_in, memory, attention_mask(src_pad_mask), need_attention=True)
         return torch.stack(weights, dim=1).permute(0, 3, 1, 2, 4)  # (B, L, H, T, S) -> (B, T, L, H, S)
 
-    # The incremental API used by search.
+    # Decoding: a session per batch of sources (seq2seq.model.session).
 
     def encode(self, src: Tensor, src_pad_mask: Tensor) -> Tensor:
         """The encoder output (B, S, D), computed at the real positions only (zeros at padding)."""
         return self.encoder(src, src_pad_mask, skip_padding=True)
 
-    def init_cache(self, memory: Tensor, src_pad_mask: Tensor) -> DecoderCache:
-        """Start a decoding session: its plan (`self.plan`), and the encoder output (B, S, D) projected to
-        every layer's cross-attention keys/values, once, in one matmul (the plan's stacked W_K, W_V)."""
+    def start(self, src: Tensor, src_pad_mask: Tensor, need_attention: bool = False) -> TransformerSession:
+        """Start decoding sources (B, S): encode them, take the session's plan (`self.plan`), and project the
+        encoder output to every layer's cross-attention keys/values, once, in one matmul (the plan's stacked
+        W_K, W_V). With `need_attention` the session records every step's cross-attention weights."""
+        memory = self.encode(src, src_pad_mask)  # (B, S, D)
         plan = self.plan.session(memory)
         packing = Packing.of(src_pad_mask)  # project the real positions only
         real = memory if packing is None else packing.pack(memory)
@@ -246,11 +260,7 @@ class Seq2SeqTransformer(nn.Module):
         B, S, _ = memory.shape
         L, H = len(self.decoder.layers), self.decoder.cross_attentions()[0].n_heads
         cross = kv.view(B, S, L, 2, H, -1).permute(2, 3, 0, 4, 1, 5).contiguous()  # (L, 2, B, H, S, Dh)
-        return DecoderCache(cross, attention_mask(src_pad_mask), plan)
-
-    def decode_step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
-        """Logits (B, V) for the next position, given the last tokens (B, 1); advances `cache`."""
-        return self.decoder.step(tokens, cache)
+        return TransformerSession(self.decoder, DecoderCache(cross, attention_mask(src_pad_mask), plan), need_attention)
 
     @property
     def max_positions(self) -> int:
