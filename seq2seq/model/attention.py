@@ -10,7 +10,7 @@ Masks arrive in one convention everywhere in the package: a boolean
 A decoding step reads and extends the session's cache (seq2seq.model.cache)
 and runs its projections and kernel as the session's plan says
 (seq2seq.model.plan). Cross-attention returns its weights beside its output
-when its caller asks for them (`need_weights`), and None otherwise.
+when its caller asks for them (`need_attention`), and None otherwise.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ class MultiHeadAttention(nn.Module):
     they attend over the whole input at once; with it they are a decoding step,
     which reads and extends the cache and runs its projections and kernel as
     the session's plan says (`cache.plan`). Cross-attention returns its weights
-    beside its output when asked (`need_weights`).
+    beside its output when asked (`need_attention`).
 
     Self-attention may carry positions of its own (`positions`: "rope" or
     "relative", seq2seq.model.positions). Rotary ones go through PyTorch's
@@ -167,10 +167,11 @@ class MultiHeadAttention(nn.Module):
             q, k = self.rotary(q, start), self.rotary(k, start)
         if cache is not None:
             k, v = cache.append(k, v)  # (N, H, start + T, Dh): the cached keys/values and this step's
-        if self.relative is not None:
-            heads = self.relative_heads(q, k, v, start, mask, causal)
+        dropout = self.dropout if self.training else 0.0
+        if self.relative is not None:  # Shaw et al.'s attention, spelled out
+            heads = self.relative.attend(q, k, v, start, mask, causal, dropout)
         else:
-            heads = self.heads(q, k, v, mask, causal, cache)
+            heads = attention_heads(q, k, v, mask, causal, dropout, cache)
         return self.merge_heads(heads, packing, cache)
 
     def cross_attention(
@@ -179,9 +180,9 @@ class MultiHeadAttention(nn.Module):
         memory: Tensor | None,
         memory_mask: Tensor | None,
         cache: LayerCache | None = None,
-        need_weights: bool = False,
+        need_attention: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
-        """Cross-attention of x (N, T, D) over the encoder output -> (N, T, D), and with `need_weights` the
+        """Cross-attention of x (N, T, D) over the encoder output -> (N, T, D), and with `need_attention` the
         weights (N, H, T, S), spelled out (the fused kernels never form them); else None.
 
         Without `cache`, keys and values are projected from `memory` (B, S, D) and
@@ -196,22 +197,17 @@ class MultiHeadAttention(nn.Module):
             k, v = self.project_memory(memory)
             mask, group, query = memory_mask, 1, plain_linear(*self.query_weights())
         else:
-            k, v, mask, group, query = (
-                cache.cross_k,
-                cache.cross_v,
-                cache.cross_mask,
-                cache.group,
-                cache.plan.query(self),
-            )
+            k, v, mask, group, query = cache.cross_k, cache.cross_v, cache.cross_mask, cache.group, cache.query(self)
         q = self.split_heads(query(x).view(-1, group * T, D))  # (G, H, group*T, Dh)
         weights = None
-        if need_weights:
+        if need_attention:
             grouped = attention_weights(q, k, mask)  # (G, H, group*T, S)
             G, H, _, S = grouped.shape
             weights = grouped.view(G, H, group, T, S).transpose(1, 2).reshape(N, H, T, S)
             heads = grouped @ v
         else:
-            heads = self.heads(q, k, v, mask, False, cache, None if cache is None else cache.cross_bias)
+            bias = None if cache is None else cache.cross_bias
+            heads = attention_heads(q, k, v, mask, False, self.dropout if self.training else 0.0, cache, bias)
         return self.merge_heads(heads, cache=cache).view(N, T, D), weights
 
     def split_heads(self, x: Tensor) -> Tensor:
@@ -239,23 +235,6 @@ class MultiHeadAttention(nn.Module):
         k, v = F.linear(memory, *self.memory_weights()).chunk(2, dim=-1)
         return self.split_heads(k), self.split_heads(v)
 
-    def heads(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        mask: Tensor | None,
-        causal: bool,
-        cache: LayerCache | None,
-        bias: Callable[[Tensor], Tensor] | None = None,
-    ) -> Tensor:
-        """softmax(Q K^T / sqrt(Dh)) V per head, (B, H, Lq, Dh): PyTorch's fused kernel (with attention dropout
-        in training), or in a decoding step the kernel of the session's plan (`step_attention`)."""
-        if cache is not None:
-            return step_attention(q, k, v, cache.plan.kernel, mask, bias)
-        dropout = self.dropout if self.training else 0.0
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal)
-
     def merge_heads(self, out: Tensor, packing: Packing | None = None, cache: LayerCache | None = None) -> Tensor:
         """(B, H, T, Dh) -> W_O applied to the concatenated heads, (B, T, D), or (n, D) at the packed positions;
         in a decoding step, W_O as the session's plan runs it."""
@@ -264,28 +243,28 @@ class MultiHeadAttention(nn.Module):
         return out_proj(heads if packing is None else packing.pack(heads))
 
     def scores(self, q: Tensor, k: Tensor, q_start: int, k_start: int = 0) -> Tensor:
-        """Pre-softmax scores (B, H, Lq, Lk) of queries at q_start.. against keys at k_start..
-
-        Queries and keys arrive rotated already when positions are rotary.
-        """
-        scores = q @ k.transpose(-2, -1)
+        """Pre-softmax scores (B, H, Lq, Lk) of queries at q_start.. against keys at k_start.. (queries and keys
+        arrive rotated already when positions are rotary)."""
         if self.relative is not None:
-            index = self.relative.distances(q_start, q.shape[2], k_start, k.shape[2], q.device)
-            scores = scores + self.relative.score_bias(q, index)
-        return scores / math.sqrt(q.shape[-1])
+            return self.relative.scores(q, k, q_start, k_start)
+        return q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
 
-    def relative_heads(self, q: Tensor, k: Tensor, v: Tensor, start: int, mask: Tensor | None, causal: bool) -> Tensor:
-        """Shaw et al.'s attention for queries at start.. over keys at 0.., before W_O: (B, H, Lq, Dh)."""
-        assert self.relative is not None
-        scores = self.scores(q, k, start)  # (B, H, Lq, Lk)
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        if causal:
-            i = torch.arange(start, start + q.shape[2], device=q.device)[:, None]
-            scores = scores.masked_fill(torch.arange(k.shape[2], device=q.device)[None, :] > i, float("-inf"))
-        weights = F.dropout(scores.softmax(dim=-1), self.dropout, self.training)
-        index = self.relative.distances(start, q.shape[2], 0, k.shape[2], q.device)
-        return weights @ v + self.relative.value_term(weights, index)
+
+def attention_heads(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    causal: bool,
+    dropout: float,
+    cache: LayerCache | None = None,
+    bias: Callable[[Tensor], Tensor] | None = None,
+) -> Tensor:
+    """softmax(Q K^T / sqrt(Dh)) V per head, (B, H, Lq, Dh): PyTorch's fused kernel (with attention dropout,
+    0 outside training), or in a decoding step (a `cache`) the kernel of the session's plan (`step_attention`)."""
+    if cache is not None:
+        return step_attention(q, k, v, cache.plan.kernel, mask, bias)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal)
 
 
 def step_attention(

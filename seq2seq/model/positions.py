@@ -11,7 +11,10 @@ Cross-attention gets no positions: its queries and keys live in different senten
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 
@@ -72,3 +75,23 @@ class RelativePositions(nn.Module):
     def value_term(self, weights: Tensor, index: Tensor) -> Tensor:
         """sum_j alpha_ij a^V_ij for weights (B, H, Lq, Lk) -> (B, H, Lq, Dh)."""
         return torch.einsum("bhqk,qkd->bhqd", weights, self.values(index).to(weights.dtype))
+
+    def scores(self, q: Tensor, k: Tensor, q_start: int, k_start: int = 0) -> Tensor:
+        """e_ij (B, H, Lq, Lk) for queries q (B, H, Lq, Dh) at q_start.. and keys k (B, H, Lk, Dh) at k_start.."""
+        index = self.distances(q_start, q.shape[2], k_start, k.shape[2], q.device)
+        return (q @ k.transpose(-2, -1) + self.score_bias(q, index)) / math.sqrt(q.shape[-1])
+
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, start: int, mask: Tensor | None, causal: bool, dropout: float
+    ) -> Tensor:
+        """z_i for queries at start.. over keys at 0.., before W_O: (B, H, Lq, Dh). mask: (B, 1, 1, Lk) True where
+        allowed, or None; `causal` hides later keys; `dropout`: on the weights (0 outside training)."""
+        scores = self.scores(q, k, start)  # (B, H, Lq, Lk)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        if causal:
+            i = torch.arange(start, start + q.shape[2], device=q.device)[:, None]
+            scores = scores.masked_fill(torch.arange(k.shape[2], device=q.device)[None, :] > i, float("-inf"))
+        weights = F.dropout(scores.softmax(dim=-1), dropout, dropout > 0)
+        index = self.distances(start, q.shape[2], 0, k.shape[2], q.device)
+        return weights @ v + self.value_term(weights, index)
