@@ -5,7 +5,7 @@ numbers (Moses-normalized, Moses-tokenized, lower-cased text scored without
 further tokenization) so that our scores can be compared with theirs; the
 headline score stays sacreBLEU's default (cased, detokenized, 13a).
 `report` is the one set of scores `seq2seq evaluate` prints and
-scripts/run_recipe.py records.
+`seq2seq recipe` records (through `evaluate --format json`'s record).
 """
 
 from __future__ import annotations
