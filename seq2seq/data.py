@@ -382,6 +382,28 @@ class Batch:
             self.n_tokens,
         )
 
+    def padded(self, rows: int, src_len: int, tgt_len: int) -> Batch:
+        """The batch grown to (rows, src_len) sources and (rows, tgt_len) targets; the same loss and gradients.
+
+        Added positions are padding; an added row is a source of one EOS and a target of BOS alone with
+        nothing to predict (every row has a real token to attend to, and no target token is scored).
+        """
+        b, s = self.src.shape
+        t = self.tgt_in.shape[1]
+        if rows < b or src_len < s or tgt_len < t:
+            raise ValueError(
+                f"cannot shrink a ({b}, {s}) -> ({b}, {t}) batch to ({rows}, {src_len}) -> ({rows}, {tgt_len})"
+            )
+        src = self.src.new_full((rows, src_len), PAD)
+        src[:b, :s] = self.src
+        src[b:, 0] = EOS
+        tgt_in = self.tgt_in.new_full((rows, tgt_len), PAD)
+        tgt_in[:b, :t] = self.tgt_in
+        tgt_in[b:, 0] = BOS
+        tgt_out = self.tgt_out.new_full((rows, tgt_len), PAD)
+        tgt_out[:b, :t] = self.tgt_out
+        return Batch(src, src == PAD, tgt_in, tgt_out, self.n_tokens)
+
     def pin_memory(self) -> Batch:
         """The batch in page-locked host memory (DataLoader(pin_memory=True) calls this)."""
         return Batch(
@@ -391,6 +413,23 @@ class Batch:
             self.tgt_out.pin_memory(),
             self.n_tokens,
         )
+
+
+def length_bucket(length: int) -> int:
+    """`length` rounded up to a multiple of 8 and of 2**(bits-3): 4 sizes per octave, above 32 at most 25% more."""
+    step = 1 << max(3, length.bit_length() - 3)
+    return -(-length // step) * step
+
+
+def bounded_shape(rows: int, src_len: int, tgt_len: int) -> tuple[int, int, int]:
+    """The shape a batch of (rows, src_len) sources and (rows, tgt_len) targets is padded to for a compiled
+    model (`Batch.padded`): each size rounded up to a bounded set, so that an epoch's batches share a few
+    dozen shapes, each a graph compiled once, instead of one for nearly every batch.
+
+    Rows are rounded to 8 sizes per octave (token-bucketed batches of one length have nearly the same rows),
+    lengths to 4 (a bucketed batch's lengths vary within a few tokens already)."""
+    step = 1 << max(3, rows.bit_length() - 4)  # 8 sizes per octave, multiples of 8
+    return -(-rows // step) * step, length_bucket(src_len), length_bucket(tgt_len)
 
 
 def pad(sequences: Sequence[Sequence[int]]) -> torch.Tensor:

@@ -10,6 +10,8 @@ The drop probability is rounded to a multiple of 2^-15 (0.1 becomes
 0.1000061); the scale is exact for the rounded probability, so every
 element's expectation is unchanged. Masks come from PyTorch's default
 generator, so `torch.manual_seed` fixes them as it fixed the old ones.
+GPUs, and a model compiled by `torch.compile` (which generates its own
+random-number code), draw PyTorch's Bernoulli masks instead.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ _LEVELS = 1 << 15  # a 15-bit uniform number per element decides it
 
 def keep_mask(shape: torch.Size, p: float, dtype: torch.dtype, device: torch.device) -> Tensor:
     """0 with probability p, else 1/(1 - p), per element of `shape` (in `dtype`)."""
-    if device.type != "cpu":  # GPUs draw Bernoulli masks fast; keep PyTorch's
+    if device.type != "cpu" or torch.compiler.is_compiling():  # GPUs (and compiled graphs) draw masks fast
         return torch.empty(shape, dtype=dtype, device=device).bernoulli_(1 - p).div_(1 - p)
     drop = min(round(p * _LEVELS), _LEVELS - 1)
     n = shape.numel()

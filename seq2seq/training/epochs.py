@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from seq2seq.config import DataConfig
-from seq2seq.data import Batch, bucket, collate_pairs, dropped_as
+from seq2seq.data import Batch, bounded_shape, bucket, collate_pairs, dropped_as
 from seq2seq.prepare import PreparedCorpus, training_sets
 from seq2seq.tokenizer import Sampling
 from seq2seq.vocab import EOS
@@ -60,10 +60,12 @@ class EpochSource:
         rank: int = 0,
         world: int = 1,
         num_workers: int = 0,
+        bounded_shapes: bool = False,
     ) -> None:
         self.corpus, self.data, self.tokenizer = corpus, data, corpus.tokenizer
         self.max_tokens, self.seed, self.rank, self.world = max_tokens, seed, rank, world
         self.num_workers = num_workers
+        self.bounded_shapes = bounded_shapes  # pad each batch to `bounded_shape` (for a compiled model)
         self._last: tuple[int, EpochBatches] | None = None  # the last epoch bucketed
 
     def batches(self, epoch: int) -> EpochBatches:
@@ -105,7 +107,10 @@ class EpochSource:
         pairs = [self.corpus.ids(i) for i in indices]
         if self.data.sampling_alpha:  # seeded by the batch's number in the epoch, whichever rank or worker runs it
             pairs = self._sampled(pairs, indices, epoch_seed(self.seed, epoch) * 1_000_003 + int(batches.ids[j]))
-        return collate_pairs([s for s, _ in pairs], [t for _, t in pairs])
+        batch = collate_pairs([s for s, _ in pairs], [t for _, t in pairs])
+        if self.bounded_shapes:
+            batch = batch.padded(*bounded_shape(len(pairs), batch.src.shape[1], batch.tgt_in.shape[1]))
+        return batch
 
     def _sampled(
         self, best: list[tuple[list[int], list[int]]], indices: list[int], seed: int
