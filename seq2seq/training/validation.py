@@ -32,19 +32,22 @@ def loss_scores(
     precision: str,
     device: torch.device,
 ) -> dict[str, float]:
-    """Per-token smoothed loss, NLL and perplexity over a corpus."""
+    """Per-token smoothed loss, NLL and perplexity over a corpus; the sums stay on the device until the end."""
     was_training = model.training
     model.eval()
-    loss_sum = nll_sum = tokens = 0.0
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss, nll
+    tokens = 0
     kernel = training_kernel(device, precision)  # training's: on CUDA, never cuDNN's graph per batch shape
     try:
         for indices in make_batches(data.lengths(), max_tokens):
             batch = collate(data, indices).to(device)
             with autocast(precision, device), kernel_scope(kernel):
                 loss, nll = batch_loss(model, batch, epsilon)
-            loss_sum, nll_sum, tokens = loss_sum + loss.item(), nll_sum + nll.item(), tokens + batch.n_tokens
+            sums += torch.stack([loss.detach(), nll]).double()
+            tokens += batch.n_tokens
     finally:
         model.train(was_training)
+    loss_sum, nll_sum = sums.tolist()
     return {"loss": loss_sum / tokens, "nll": nll_sum / tokens, "ppl": math.exp(min(nll_sum / tokens, 50))}
 
 
@@ -105,9 +108,8 @@ class Validator:
 
     def __call__(self) -> dict[str, float]:
         """Loss, NLL, perplexity and (with_bleu) BLEU."""
-        scores = loss_scores(
-            self.model, self.corpus, self.max_tokens, self.label_smoothing, self.precision, self.device
-        )
+        budget = max(self.max_tokens, self.decode.max_tokens)  # no gradients to keep: batches as large as decoding's
+        scores = loss_scores(self.model, self.corpus, budget, self.label_smoothing, self.precision, self.device)
         if self.with_bleu:
             sources, references = self.text
             langs = [p.tgt for p in self.pairs for _ in p.lines] if self.pairs else None
