@@ -23,12 +23,21 @@ def resolve_device(name: str, option: str = "train.device") -> torch.device:
     return torch.device(name)
 
 
-def resolve_precision(precision: str, device: torch.device) -> str:
-    """The precision `train.precision` means on `device`.
+CUDA_BF16_WIDTH = 512  # `auto` on CUDA: half precision from this model width on (resolve_precision says why)
 
-    `auto` on CUDA: bf16 where the GPU supports it (no loss scaling needed),
-    else fp16 with a gradient scaler. `auto` on CPU: bf16 autocast if the CPU
-    has native bf16 instructions (AVX512-BF16 or AMX), else fp32.
+
+def resolve_precision(precision: str, device: torch.device, width: int = CUDA_BF16_WIDTH) -> str:
+    """The precision `train.precision` means on `device` for a model of `width` (d_model, or an RNN's hidden size).
+
+    `auto` on CUDA: bf16 for models of width `CUDA_BF16_WIDTH` and more where
+    the GPU supports it (no loss scaling needed), else fp16 with a gradient
+    scaler; fp32 for narrower models. Why: on one NVIDIA H200 (torch 2.11,
+    the isolated update step, target tokens/s), bf16 autocast ran 2.92x fp32
+    for 6+6 layers of width 512 but 0.87x fp32 for the quickstart's 3+3 of
+    width 256, where the casts and the extra kernel launches of autocast cost
+    more than its faster matmuls save; `scripts/gpu_check.sh` measures both
+    shapes again on each GPU it runs on. `auto` on CPU: bf16 autocast if the
+    CPU has native bf16 instructions (AVX512-BF16 or AMX), else fp32.
 
     Why bf16 on such CPUs: scripts/bench_train.py, on this project's 2-core AMD
     EPYC (avx512_bf16, no AMX), measured bf16 autocast at 1.66x the training
@@ -54,6 +63,8 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     if precision != "auto":
         return precision
     if device.type == "cuda":
+        if width < CUDA_BF16_WIDTH:
+            return "fp32"
         return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
     return "bf16" if cpu_has_native_bf16() else "fp32"
 

@@ -13,7 +13,7 @@ from conftest import model_config
 from torch.overrides import TorchFunctionMode
 
 from seq2seq.data import Batch
-from seq2seq.device import autocast, row_bucket
+from seq2seq.device import autocast, resolve_precision, row_bucket
 from seq2seq.model import build_model
 from seq2seq.training.loss import batch_loss
 
@@ -95,3 +95,15 @@ def test_a_process_limited_below_native_bf16_trains_in_fp32_on_auto(limit: dict[
     done = subprocess.run([sys.executable, "-c", code], env={**os.environ, **limit}, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "fp32"
+
+
+@pytest.mark.parametrize(
+    ("width", "bf16", "expected"), [(256, True, "fp32"), (512, True, "bf16"), (1024, False, "fp16")]
+)
+def test_auto_on_cuda_is_half_precision_only_for_models_wide_enough(
+    monkeypatch: pytest.MonkeyPatch, width: int, bf16: bool, expected: str
+) -> None:
+    """Narrow models update faster in fp32 on a GPU (autocast's casts and launches outweigh its matmuls)."""
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: bf16)
+    assert resolve_precision("auto", torch.device("cuda"), width) == expected
+    assert resolve_precision("fp32", torch.device("cuda"), width) == "fp32"
