@@ -26,13 +26,13 @@ number of layers and heads shown.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from seq2seq.ensemble import Ensemble
 from seq2seq.errors import AttentionError, ConfigError
-from seq2seq.model import Seq2SeqModel, Seq2SeqRNN
+from seq2seq.model.record import AttentionRecord
 from seq2seq.model.session import Decodable
 from seq2seq.vocab import BOS
 
@@ -62,19 +62,24 @@ def parse_layer(text: str) -> LayerChoice:
     raise ConfigError(f"--attention-layer must be last, all or a layer number from 1; got {text!r}")
 
 
-def require_attention(model: Seq2SeqModel | Ensemble, layer: LayerChoice = "last") -> None:
+class Attending(Protocol):
+    """A model, or an ensemble, as `require_attention` checks it."""
+
+    @property
+    def attention_layers(self) -> list[int]:
+        """The decoder layers with cross-attention of each model decoded (one per member of an ensemble); 0 for
+        a model without attention (an RNN with model.rnn.attention: none)."""
+        ...
+
+
+def require_attention(model: Attending, layer: LayerChoice = "last") -> None:
     """One line for a model without attention (an RNN with model.rnn.attention: none) or without `layer`."""
-    for member in model.models if isinstance(model, Ensemble) else [model]:
-        if isinstance(member, Seq2SeqRNN) and member.decoder.attention is None:
+    for layers in model.attention_layers:
+        if layers == 0:
             raise AttentionError(
                 "this model has no attention (model.rnn.attention: none): there are no weights to draw or align"
             )
-        check_layer(layer, attention_layers(member))
-
-
-def attention_layers(model: Seq2SeqModel) -> int:
-    """Decoder layers with cross-attention: the Transformer's decoder layers, or the RNN's one attention."""
-    return 1 if isinstance(model, Seq2SeqRNN) else len(model.decoder.layers)
+        check_layer(layer, layers)
 
 
 def check_layer(layer: LayerChoice, layers: int) -> None:
@@ -83,16 +88,22 @@ def check_layer(layer: LayerChoice, layers: int) -> None:
 
 
 @torch.no_grad()
-def teacher_forced_attention(model: Decodable, src: Tensor, src_pad_mask: Tensor, tgt: Tensor) -> Tensor:
-    """Cross-attention weights (B, T, L, H, S) of targets tgt (B, T), EOS-ended and PAD-filled, through
-    a decoding session that records them (rows past a target's EOS are for padding and mean nothing)."""
+def teacher_forced_record(model: Decodable, src: Tensor, src_pad_mask: Tensor, tgt: Tensor) -> AttentionRecord:
+    """The attention record of targets tgt (B, T), EOS-ended and PAD-filled, fed to a decoding session that
+    records it, one step per target token (rows past a target's EOS are for padding and mean nothing)."""
     session = model.start(src, src_pad_mask, need_attention=True)
     inputs = torch.cat([torch.full_like(tgt[:, :1], BOS), tgt[:, :-1]], dim=1)  # (B, T)
     for t in range(inputs.shape[1]):
         session.step(inputs[:, t : t + 1])
     if session.attention is None:
         raise AttentionError("the model's decoding session records no attention")
-    return torch.stack(session.attention.steps, dim=1)
+    return session.attention
+
+
+def teacher_forced_attention(model: Decodable, src: Tensor, src_pad_mask: Tensor, tgt: Tensor) -> Tensor:
+    """Cross-attention weights (B, T, L, H, S) of targets tgt (B, T) (see `teacher_forced_record`); an ensemble's
+    members' layers side by side."""
+    return teacher_forced_record(model, src, src_pad_mask, tgt).weights()
 
 
 def select(weights: Tensor, layer: LayerChoice, heads: str) -> tuple[Tensor, list[str], list[str]]:
@@ -114,12 +125,16 @@ def select(weights: Tensor, layer: LayerChoice, heads: str) -> tuple[Tensor, lis
 
 
 def model_attention(
-    model: Seq2SeqModel | Ensemble, src: Tensor, src_pad_mask: Tensor, tgt: Tensor, layer: LayerChoice, heads: str
+    model: Decodable, src: Tensor, src_pad_mask: Tensor, tgt: Tensor, layer: LayerChoice, heads: str
 ) -> tuple[Tensor, list[str], list[str]]:
-    """The chosen cross-attention (B, T, L', H', S) of a model or ensemble, with layer and head names."""
-    if not isinstance(model, Ensemble):
-        return select(teacher_forced_attention(model, src, src_pad_mask, tgt), layer, heads)
-    chosen = [model_attention(member, src, src_pad_mask, tgt, layer, heads) for member in model.models]
+    """The chosen cross-attention (B, T, L', H', S) of a model or ensemble, with layer and head names: of an
+    ensemble, the mean of what is chosen of each member."""
+    parts = teacher_forced_record(model, src, src_pad_mask, tgt).parts()
+    chosen = [select(part.weights(), layer, heads) for part in parts if part.steps]
+    if not chosen:
+        raise AttentionError("the decoding session recorded no attention: the model has none")
+    if len(chosen) == 1:
+        return chosen[0]
     shapes = {weights.shape for weights, _, _ in chosen}
     if len(shapes) > 1:
         raise AttentionError(

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from seq2seq.checkpoint import Loaded, load_checkpoint
-from seq2seq.errors import AttentionError, CheckpointError
+from seq2seq.errors import CheckpointError
 from seq2seq.model import AttentionRecord, Seq2SeqModel
 from seq2seq.model.session import DecodingSession
 
@@ -32,20 +32,19 @@ if TYPE_CHECKING:
 class EnsembleSession:
     """One session per member; beam reordering and dropping finished rows apply to all of them.
 
-    With `need_attention`, each member records its own weights and each step
-    keeps the members' cross-attention side by side, (N, L1 + L2 + ..., H, S):
-    the members' layers one after another, which needs them to have the same
-    number of heads.
+    With `need_attention`, each member records its own weights, and the
+    ensemble's record holds the members' records (`AttentionRecord.members`):
+    `weights()` puts their layers side by side, `parts()` gives them one by one.
     """
 
     def __init__(self, sessions: list[DecodingSession], need_attention: bool = False) -> None:
         self.sessions = sessions
-        self.attention = AttentionRecord() if need_attention else None
+        records = [session.attention for session in sessions if session.attention is not None]
+        self.attention = AttentionRecord(records) if need_attention else None
 
     def step(self, tokens: Tensor) -> Tensor:
         """The members' mean next-token log-probability: (N, V)."""
         logprobs = [torch.log_softmax(session.step(tokens).float(), dim=-1) for session in self.sessions]
-        self.end_step()
         return torch.stack(logprobs).mean(dim=0)
 
     def reorder(self, index: Tensor) -> None:
@@ -55,18 +54,6 @@ class EnsembleSession:
     def select(self, index: Tensor) -> None:
         for session in self.sessions:
             session.select(index)
-
-    def end_step(self) -> None:
-        """Keep the members' weights of the step just run, side by side, in the ensemble's record."""
-        if self.attention is None:
-            return
-        records = [session.attention for session in self.sessions if session.attention is not None]
-        steps = [record.steps[-1] for record in records if record.steps]
-        if not steps:  # no member has attention
-            return
-        if len({weights.shape[2] for weights in steps}) > 1:
-            raise AttentionError("the ensemble's members have different numbers of heads: record them one by one")
-        self.attention.steps.append(torch.cat(steps, dim=1))
 
 
 class Ensemble(nn.Module):
@@ -78,6 +65,11 @@ class Ensemble(nn.Module):
     @property
     def max_positions(self) -> int:
         return min(int(m.max_positions) for m in self.models)
+
+    @property
+    def attention_layers(self) -> list[int]:
+        """Each member's decoder layers with cross-attention, one number per member (`alignment.Attending`)."""
+        return [layers for m in self.models for layers in m.attention_layers]
 
     def start(self, src: Tensor, src_pad_mask: Tensor, need_attention: bool = False) -> EnsembleSession:
         """Every member's session over the sources (B, S), driven as one."""

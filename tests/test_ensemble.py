@@ -10,6 +10,7 @@ import torch
 from conftest import model_config, reversal_pairs
 
 from seq2seq import checkpoint as ckpt
+from seq2seq.alignment import model_attention, select, teacher_forced_attention
 from seq2seq.cli import main
 from seq2seq.config import DecodeConfig, RNNConfig
 from seq2seq.ensemble import Ensemble, EnsembleSession, load_ensemble
@@ -74,7 +75,8 @@ def test_the_ensemble_limit_is_its_shortest_member(trained_run: Path) -> None:
 @torch.no_grad()
 def test_a_transformer_and_an_rnn_decode_together_through_their_sessions() -> None:
     """Members of different kinds, each driven through its own session: every step of the ensemble's session is
-    the mean of the members' log-probabilities, through `select` and `reorder` too, and search runs over it."""
+    the mean of the members' log-probabilities, through `select` and `reorder` too, search runs over it, and
+    its attention is the mean of the members'."""
     vocab, small = 19, {"d_model": 16, "dropout": 0.0, "max_positions": 32}
     torch.manual_seed(0)
     transformer = build_model(
@@ -105,3 +107,8 @@ def test_a_transformer_and_an_rnn_decode_together_through_their_sessions() -> No
     for strategy in ("greedy", "beam"):
         hypotheses = search(ensemble, src, mask, DecodeConfig(strategy=strategy, beam_size=2, nbest=2, max_len_b=6), 31)
         assert all(sentence and all(h.tokens[-1] == EOS for h in sentence) for sentence in hypotheses)
+    tgt = torch.tensor([[7, 6, EOS], [9, EOS, PAD]])  # alignment: each member's last layer, heads averaged
+    weights, layers, _ = model_attention(ensemble, src, mask, tgt, "last", "mean")
+    each = [select(teacher_forced_attention(m, src, mask, tgt), "last", "mean")[0] for m in (transformer, rnn)]
+    torch.testing.assert_close(weights, (each[0] + each[1]) / 2)
+    assert layers == ["chosen layer"]

@@ -314,6 +314,11 @@ class Seq2SeqRNN(nn.Module):
     def max_positions(self) -> int:
         return self.decoder.embedding.max_positions
 
+    @property
+    def attention_layers(self) -> list[int]:
+        """The attention "layers": one (its global attention), or none (model.rnn.attention: none)."""
+        return [0 if self.decoder.attention is None else 1]
+
 
 def build_rnn(cfg: ModelConfig, src_vocab_size: int, tgt_vocab_size: int) -> Seq2SeqRNN:
     """The RNN encoder-decoder a config describes (model.arch: rnn)."""

@@ -266,6 +266,11 @@ class Seq2SeqTransformer(nn.Module):
     def max_positions(self) -> int:
         return self.decoder.embedding.max_positions
 
+    @property
+    def attention_layers(self) -> list[int]:
+        """The decoder layers with cross-attention: all of them (one number, as for each member of an ensemble)."""
+        return [len(self.decoder.layers)]
+
 
 def build_transformer(cfg: ModelConfig, src_vocab_size: int, tgt_vocab_size: int) -> Seq2SeqTransformer:
     """The Transformer a config describes, with fairseq-style initialisation."""
