@@ -58,7 +58,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     corpus = make_corpus(Path(args.data), work / f"corpus{args.pairs}", args.pairs)
     print(f"CPU: {cpu_flags()}")
-    common = [f"data.dir={corpus}", "train.device=cpu", "train.valid_bleu=false", "train.log_every=1",
+    common = [f"data.dir={corpus}", "train.device=cpu", "validation.bleu=false", "train.log_every=1",
               f"train.max_steps={args.updates}", "train.max_minutes=0", f"train.threads={args.threads}"]  # fmt: skip
     prepared = work / f"prepared{args.pairs}"
     common.append(f"data.prepared_dir={prepared}")

@@ -163,7 +163,7 @@ def ensure_checkpoint(path: Path, minutes: float) -> None:
         str(ROOT / "configs/quickstart.yaml"),
         f"train.run_dir={path.parent}",
         f"train.max_minutes={minutes}",
-        "train.valid_bleu=false",
+        "validation.bleu=false",
     ]
     print("training:", " ".join(command), file=sys.stderr)
     subprocess.run(command, check=True)

@@ -72,7 +72,7 @@ def run(name: str, args: argparse.Namespace) -> tuple[list[tuple[float, int]], P
         f"train.precision={precision}",
         f"train.max_steps={args.steps}",
         f"train.threads={args.threads}",
-        "train.valid_every=1000000",
+        "validation.every=1000000",
         "train.log_every=1",
         *args.overrides,
     ]

@@ -9,7 +9,7 @@ against each other in the precision `train.precision=auto` picks on this
 CPU (bf16 with native bf16 instructions, else fp32): flash, which `scaled_dot_product_attention`
 picks by itself when attention dropout is 0, and math (matmul, softmax,
 matmul), which the trainer asks for on CPU (`seq2seq.model.training_kernel`);
-`--compare rdrop` sets plain updates against R-Drop's (`train.rdrop_alpha`),
+`--compare rdrop` sets plain updates against R-Drop's (`optim.rdrop_alpha`),
 also in the `auto` precision; `--compare compile` sets the eager model against
 `torch.compile(model, dynamic=True)` (batches differ in shape), and prints the
 compiled model's first update (the compilation) and its number of graphs;
@@ -123,7 +123,7 @@ TRAINERS = "trainer's"  # the attention kernel the trainer picks (seq2seq.model.
 class Setting(NamedTuple):
     precision: str = "auto"
     kernel: Kernels | str = TRAINERS  # None: PyTorch's choice
-    rdrop: float = 0.0  # train.rdrop_alpha
+    rdrop: float = 0.0  # optim.rdrop_alpha
     compiled: bool = False  # torch.compile the model
 
 
@@ -216,7 +216,7 @@ def _config(args: argparse.Namespace, name: str, run_dir: str) -> ExperimentConf
         f"data.tgt_lang={args.langs.split(',')[1]}",
         f"train.run_dir={run_dir}",
         f"train.device={args.device}",
-        "train.valid_bleu=false",
+        "validation.bleu=false",
         f"train.max_tokens={args.max_tokens}",
         f"train.threads={args.threads}",
         *MODELS[name],
@@ -330,8 +330,8 @@ def _bench_trainer(args: argparse.Namespace) -> None:
             f"train.run_dir={run_dir}",
             f"train.device={args.device}",
             f"train.threads={args.threads}",
-            "train.valid_every=1000000000",  # no validation inside the measured updates
-            "train.save_every=0",
+            "validation.every=1000000000",  # no validation inside the measured updates
+            "checkpoint.every=0",
             *args.set,
         ]
         cfg = load_config(args.config, overrides)

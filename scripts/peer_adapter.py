@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from seq2seq.config import DecodeConfig, ExperimentConfig, ModelConfig, TrainConfig, TransformerConfig
+from seq2seq.config import DecodeConfig, ExperimentConfig, ModelConfig, OptimConfig, TrainConfig, TransformerConfig
 from seq2seq.data import Batch
 from seq2seq.model import Seq2SeqTransformer, build_model
 from seq2seq.search import search
@@ -56,17 +56,18 @@ def build_train_step(
     shape: dict[str, Any], batches: Sequence[dict[str, Any]], precision: str
 ) -> tuple[Callable[[dict[str, Any]], float], dict[str, Any]]:
     """(step(batch) -> loss per target token, info): one `seq2seq train` update per call."""
-    train = TrainConfig(device="cpu", precision=precision, label_smoothing=shape["label_smoothing"], clip_norm=1.0)
-    cfg = ExperimentConfig(model=model_config(shape), train=train)
+    train = TrainConfig(device="cpu", precision=precision)
+    optim = OptimConfig(label_smoothing=shape["label_smoothing"], clip_norm=1.0)
+    cfg = ExperimentConfig(model=model_config(shape), train=train, optim=optim)
     model_settings = cfg.model.transformer
     assert model_settings is not None  # model_config describes a Transformer
     device = torch.device("cpu")
     torch.manual_seed(train.seed)
     model = build_model(cfg.model, shape["vocab"], shape["vocab"]).to(device).train()
-    optimizer = build_optimizer(model, train)
+    optimizer = build_optimizer(model, optim)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    update = UpdateStep.from_config(train, model, optimizer, scaler, device, precision)
-    lr = lr_schedule(cfg, updates_per_epoch=1000)
+    update = UpdateStep.from_config(train, optim, model, optimizer, scaler, device, precision)
+    lr = lr_schedule(optim, train, cfg.model.d_model, updates_per_epoch=1000)
     converted = {id(b): _batch(b) for b in batches}
     steps = itertools.count(1)
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from seq2seq.config import ExperimentConfig, ModelConfig, TrainConfig, TransformerConfig
+from seq2seq.config import ExperimentConfig, ModelConfig, OptimConfig, TrainConfig, TransformerConfig
 from seq2seq.data import Batch
 from seq2seq.device import resolve_precision
 from seq2seq.model import build_model
@@ -83,15 +83,15 @@ def random_batch(vocab: int, sentences: int, length: int, generator: torch.Gener
 
 
 def profile_model(name: str, args: argparse.Namespace) -> None:
-    train = TrainConfig(device="cpu", precision=args.precision, clip_norm=1.0)
-    cfg = ExperimentConfig(model=MODELS[name], train=train)
+    train, optim = TrainConfig(device="cpu", precision=args.precision), OptimConfig(clip_norm=1.0)
+    cfg = ExperimentConfig(model=MODELS[name], train=train, optim=optim)
     device, precision = torch.device("cpu"), resolve_precision(args.precision, torch.device("cpu"))
     torch.manual_seed(0)
     model = build_model(cfg.model, args.vocab, args.vocab).train()
-    optimizer = build_optimizer(model, train)
+    optimizer = build_optimizer(model, optim)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    update = UpdateStep.from_config(train, model, optimizer, scaler, device, precision)
-    lr = lr_schedule(cfg, updates_per_epoch=1000)
+    update = UpdateStep.from_config(train, optim, model, optimizer, scaler, device, precision)
+    lr = lr_schedule(optim, train, cfg.model.d_model, updates_per_epoch=1000)
     generator = torch.Generator().manual_seed(0)
     batches = [random_batch(args.vocab, args.sentences, args.length, generator) for _ in range(args.steps + 2)]
     for step, batch in enumerate(batches[:2], start=1):  # warm-up: allocator, kernel choice

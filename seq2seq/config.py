@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import logging
 import math
 import os
 import stat
@@ -46,6 +47,8 @@ MAX_TOP_K = 2**24  # decode.top_k: more than any vocabulary
 MAX_CONFIG_BYTES = 2**20  # a config file is a few KB; a larger one is not a config
 T = TypeVar("T")
 SPEC = "seq2seq.config.Spec"  # the key of a setting's Spec in its field's metadata
+
+log = logging.getLogger("seq2seq.config")
 
 
 @dataclass(frozen=True)
@@ -479,7 +482,10 @@ class ModelConfig(Section):
 
 @dataclass(frozen=True)
 class TrainConfig(Section):
-    """Optimisation, checkpointing and validation."""
+    """The training loop: where the run goes, device, precision, batches, limits, logging; what it starts from.
+
+    What an update optimizes is `optim`, when the model is validated `validation`, what is saved
+    `checkpoint` (their settings were `train.*` keys once, still read: see MOVED_TRAIN_KEYS)."""
 
     run_dir: str = setting("runs/default", "where everything of a run goes", nonempty=True)
     seed: int = setting(1, "seed of the weights, the batches and dropout", min=0, below=INT_LIMIT)
@@ -496,32 +502,6 @@ class TrainConfig(Section):
     max_epochs: int = setting(20, "epochs before stopping (0: no limit)", min=0)
     max_steps: int = setting(0, "updates before stopping (0: no limit)", min=0)
     max_minutes: float = setting(0.0, "training-time budget, counted across resumes (0: no limit)", min=0)
-    optimizer: Literal["adam", "adamw"] = setting("adam", "the optimizer")
-    lr: float = setting(7e-4, "peak learning rate", above=0)
-    betas: tuple[float, float] = setting((0.9, 0.98), "Adam's betas", min=0, below=1)
-    eps: float = setting(1e-9, "Adam's epsilon", above=0)
-    weight_decay: float = setting(0.0, "weight decay", min=0)
-    schedule: Literal["inverse_sqrt", "noam", "cosine", "constant"] = setting("inverse_sqrt", "learning-rate schedule")
-    warmup_steps: int = setting(1000, "updates of linear warmup (`noam` needs some)", min=0)
-    label_smoothing: float = setting(0.1, "label smoothing of the loss", min=0, below=1)
-    rdrop_alpha: float = setting(
-        0.0,
-        "R-Drop: every batch twice through the model under two dropout masks, plus this weight times their "
-        "symmetric KL; an update costs 2.5x a plain one on CPU (`scripts/bench_train.py --compare rdrop`); 0 is off",
-        min=0,
-    )
-    clip_norm: float = setting(1.0, "gradient-norm clipping (0: off)", min=0)
-    valid_every: int = setting(0, "updates between validations (0: once per epoch)", min=0)
-    valid_bleu: bool = setting(True, "decode the validation set for BLEU at each validation")
-    best_metric: Literal["bleu", "loss"] = setting("bleu", "what `checkpoint_best.pt` is best at")
-    patience: int = setting(0, "validations without improvement before stopping (0: never stop)", min=0)
-    save_every: int = setting(
-        0, "updates between saves besides validations (checkpoint_last and a step checkpoint); 0: off", min=0
-    )
-    keep_last: int = setting(5, "epoch/step checkpoints kept besides checkpoint_last and checkpoint_best", min=0)
-    average_last: int = setting(
-        0, "how many last checkpoints to average at the end of training (0: off; a warning if fewer were kept)", min=0
-    )
     log_every: int = setting(50, "updates between log lines", min=1)
     max_bad_steps: int = setting(20, "non-finite updates tolerated in a row before giving up", min=1)
     deterministic: bool = setting(False, "deterministic kernels, for reproducibility")
@@ -540,16 +520,56 @@ class TrainConfig(Section):
         'and tokenizer, everything else afresh (see Fine-tuning); `""`: random weights',
     )
 
+
+@dataclass(frozen=True)
+class OptimConfig(Section):
+    """What an update optimizes and how: the optimizer, the learning-rate schedule, the loss, clipping."""
+
+    optimizer: Literal["adam", "adamw"] = setting("adam", "the optimizer")
+    lr: float = setting(7e-4, "peak learning rate", above=0)
+    betas: tuple[float, float] = setting((0.9, 0.98), "Adam's betas", min=0, below=1)
+    eps: float = setting(1e-9, "Adam's epsilon", above=0)
+    weight_decay: float = setting(0.0, "weight decay", min=0)
+    schedule: Literal["inverse_sqrt", "noam", "cosine", "constant"] = setting("inverse_sqrt", "learning-rate schedule")
+    warmup_steps: int = setting(1000, "updates of linear warmup (`noam` needs some)", min=0)
+    label_smoothing: float = setting(0.1, "label smoothing of the loss", min=0, below=1)
+    rdrop_alpha: float = setting(
+        0.0,
+        "R-Drop: every batch twice through the model under two dropout masks, plus this weight times their "
+        "symmetric KL; an update costs 2.5x a plain one on CPU (`scripts/bench_train.py --compare rdrop`); 0 is off",
+        min=0,
+    )
+    clip_norm: float = setting(1.0, "gradient-norm clipping (0: off)", min=0)
+
     def check(self) -> None:
-        self.require(
-            bool(self.max_epochs or self.max_steps or self.max_minutes or self.patience),
-            "max_epochs",
-            f"0 (no epoch limit) needs {self.key('max_steps')}, {self.key('max_minutes')} or {self.key('patience')} "
-            "to end the run",
-        )
         self.require(
             self.schedule != "noam" or self.warmup_steps > 0, "warmup_steps", "must be positive for the noam schedule"
         )
+
+
+@dataclass(frozen=True)
+class ValidationConfig(Section):
+    """When the model is validated, what is measured, which validation is the best, when to stop early."""
+
+    every: int = setting(0, "updates between validations (0: once per epoch)", min=0)
+    bleu: bool = setting(True, "decode the validation set for BLEU at each validation")
+    best_metric: Literal["bleu", "loss"] = setting("bleu", "what `checkpoint_best.pt` is best at")
+    patience: int = setting(0, "validations without improvement before stopping (0: never stop)", min=0)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig(Section):
+    """What a run saves besides checkpoint_last and checkpoint_best, how many it keeps and averages."""
+
+    every: int = setting(
+        0, "updates between saves besides validations (checkpoint_last and a step checkpoint); 0: off", min=0
+    )
+    keep_last: int = setting(5, "epoch/step checkpoints kept besides checkpoint_last and checkpoint_best", min=0)
+    average_last: int = setting(
+        0, "how many last checkpoints to average at the end of training (0: off; a warning if fewer were kept)", min=0
+    )
+
+    def check(self) -> None:
         self.require(
             self.average_last <= self.keep_last,
             "average_last",
@@ -617,12 +637,22 @@ class ExperimentConfig(Section):
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
 
     def check(self) -> None:
         data, model, train, decode = self.data, self.model, self.train, self.decode
+        valid = self.validation
         train.require(
-            train.rdrop_alpha == 0 or max(model.dropouts()) > 0,
+            bool(train.max_epochs or train.max_steps or train.max_minutes or valid.patience),
+            "max_epochs",
+            f"0 (no epoch limit) needs {train.key('max_steps')}, {train.key('max_minutes')} or "
+            f"{valid.key('patience')} to end the run",
+        )
+        self.optim.require(
+            self.optim.rdrop_alpha == 0 or max(model.dropouts()) > 0,
             "rdrop_alpha",
             "compares two dropout passes, so it needs some dropout in model",
         )
@@ -668,10 +698,76 @@ def config_changes(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -
 
 def from_dict(raw: dict[str, Any], source: str = "<dict>") -> ExperimentConfig:
     """Build and validate a config from a nested dict (e.g. one stored in a checkpoint)."""
-    raw = {**raw}
+    raw = migrate_train(raw, source, note=logging.INFO)  # a stored config cannot be rewritten: a note, no warning
     if isinstance(raw.get("model"), dict):
         raw["model"] = _architecture_sections(migrate_model(raw["model"], source), source)
     return _build(ExperimentConfig, raw, source, prefix="")
+
+
+# Settings that were `train.*` keys before train had sections beside it: where each one is now. Config files,
+# command-line overrides and stored configs that use the old key are read, migrated, with a note in the log.
+MOVED_TRAIN_KEYS = {
+    **{
+        key: f"optim.{key}"
+        for key in (
+            "optimizer",
+            "lr",
+            "betas",
+            "eps",
+            "weight_decay",
+            "schedule",
+            "warmup_steps",
+            "label_smoothing",
+            "rdrop_alpha",
+            "clip_norm",
+        )
+    },
+    "valid_every": "validation.every",
+    "valid_bleu": "validation.bleu",
+    "best_metric": "validation.best_metric",
+    "patience": "validation.patience",
+    "save_every": "checkpoint.every",
+    "keep_last": "checkpoint.keep_last",
+    "average_last": "checkpoint.average_last",
+}
+
+
+def _moved_note(source: str, old: list[str], level: int) -> None:
+    moved = ", ".join(f"train.{key} is now {MOVED_TRAIN_KEYS[key]}" for key in old)
+    log.log(level, "%s: %s (the old keys are still read; write the new ones)", source, moved)
+
+
+def migrate_train(raw: dict[str, Any], source: str, note: int = logging.WARNING) -> dict[str, Any]:
+    """A config dict with the settings that moved out of `train` (MOVED_TRAIN_KEYS) at their new place, and
+    one line in the log (at level `note`) naming them. Today's layout comes back unchanged; a setting given
+    under both names is refused."""
+    train = raw.get("train")
+    old = [key for key in train if key in MOVED_TRAIN_KEYS] if isinstance(train, dict) else []
+    if not old:
+        return raw
+    assert isinstance(train, dict)
+    out = {**raw, "train": {key: value for key, value in train.items() if key not in old}}
+    for key in old:
+        section, name = MOVED_TRAIN_KEYS[key].split(".")
+        target = out.get(section)
+        if target is not None and not isinstance(target, dict):
+            raise ConfigError(f"{source}: {section} must be a mapping, got {type(target).__name__}")
+        if target is not None and name in target:
+            raise ConfigError(
+                f"{source}: train.{key} is the old name of {section}.{name}, and both are given: keep {section}.{name}"
+            )
+        out[section] = {**(target or {}), name: train[key]}
+    _moved_note(source, old, note)
+    return out
+
+
+def migrate_override(key: str) -> str:
+    """The key a `train.X=value` override of a moved setting (MOVED_TRAIN_KEYS) means today, with a note."""
+    section, _, name = key.partition(".")
+    if section != "train" or name not in MOVED_TRAIN_KEYS:
+        return key
+    _moved_note("command line", [name], logging.WARNING)
+    return MOVED_TRAIN_KEYS[name]
 
 
 FLAT_TRANSFORMER_KEYS = tuple(f.name for f in dataclasses.fields(TransformerConfig))
@@ -749,6 +845,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             raise ConfigError(f"{path}: a config file must be a mapping of sections")
         if isinstance(raw.get("model"), dict):  # before the overrides, which use today's names
             raw["model"] = migrate_model(raw["model"], source)
+        raw = migrate_train(raw, source)
     for item in overrides:
         _apply_override(raw, item)
     where = source if not overrides else f"{source} + command line"
@@ -815,6 +912,7 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
     key = key.strip()
     if not sep or not key:
         raise ConfigError(f"command line: override {item!r} must look like section.key=value")
+    key = migrate_override(key)
     parts = key.split(".")
     node = raw
     for part in parts[:-1]:
@@ -841,9 +939,13 @@ def _build(cls: type, raw: Any, source: str, prefix: str) -> Any:
     kwargs: dict[str, Any] = {}
     for key, value in raw.items():
         if key not in names:
-            # Compare bare names: a shared `section.` prefix would make every key look close.
-            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
-            hint = f" (did you mean '{prefix}{close[0]}'?)" if close else f" (valid keys: {', '.join(names)})"
+            # Compare bare names: a shared `section.` prefix would make every key look close. In `train`, the
+            # settings that moved out of it are close too, named where they are now.
+            known = {name: f"{prefix}{name}" for name in names}
+            if prefix == "train.":
+                known.update(MOVED_TRAIN_KEYS)
+            close = difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.6)
+            hint = f" (did you mean '{known[close[0]]}'?)" if close else f" (valid keys: {', '.join(names)})"
             raise ConfigError(f"{source}: unknown key '{prefix}{key}'{hint}")
         kind = hints[key]
         section = _section_type(kind)

@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--average",
         type=average_sizes,
         metavar="K[,K...]",
-        help="sizes of last-k averages (default: train.average_last)",
+        help="sizes of last-k averages (default: checkpoint.average_last)",
     )
     parser.add_argument("--no-download", action="store_true", help="use the corpus already in data.dir")
     parser.add_argument(

@@ -7,8 +7,8 @@
     RUN/metrics.jsonl           one JSON object per log event, appended across resumes
     RUN/checkpoint_last.pt      the commit point of a resume
     RUN/checkpoint_best.pt      the best validation score so far
-    RUN/checkpoint_step{N}.pt   the last train.keep_last validation checkpoints
-    RUN/checkpoint_avg.pt       their average (train.average_last)
+    RUN/checkpoint_step{N}.pt   the last checkpoint.keep_last validation checkpoints
+    RUN/checkpoint_avg.pt       their average (checkpoint.average_last)
     RUN/.lock                   held by the training process; holds its pid
     RUN/run_id                  the id of the run, written when it starts; a second line, `saved`,
                                 once the run has written checkpoint_last

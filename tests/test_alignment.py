@@ -107,7 +107,7 @@ def test_a_copy_model_aligns_words_on_the_diagonal(tmp_path: Path) -> None:
         lines = "".join(" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 7))) + "\n" for _ in range(n))
         (data / f"{split}.src").write_text(lines, encoding="utf-8")
         (data / f"{split}.tgt").write_text(lines, encoding="utf-8")
-    extra = ("train.max_epochs=20", "train.threads=1", "train.valid_bleu=false", "train.best_metric=loss")
+    extra = ("train.max_epochs=20", "train.threads=1", "validation.bleu=false", "validation.best_metric=loss")
     assert main(["train", "--config", str(TINY), *tiny_overrides(data, tmp_path / "run", *extra)]) == 0
     translator = Translator.from_checkpoint(tmp_path / "run" / "checkpoint_best.pt", strategy="greedy")
     lines = distinct_word_sentences(50, seed=5)

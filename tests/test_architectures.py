@@ -28,10 +28,10 @@ RNN = (
     "model.rnn.hidden_size=64",
     "model.rnn.attention=general",
     "train.max_epochs=2",
-    "train.valid_bleu=false",
-    "train.best_metric=loss",
+    "validation.bleu=false",
+    "validation.best_metric=loss",
     "train.threads=1",
-    "train.keep_last=2",
+    "checkpoint.keep_last=2",
 )
 # Overrides of configs/tiny.yaml, and the share of test sentences each must reverse exactly after 20 epochs.
 # The fixed-vector RNN has the whole sentence in one state and gets less (0.81-0.88 when measured) than the
@@ -130,8 +130,9 @@ def test_rnn_translates_evaluates_averages_and_resumes(
 def test_every_architecture_learns_to_reverse(name: str, corpus: Path, tmp_path: Path) -> None:
     """The tiny config's budget for each architecture (~1-2 minutes each on one shared core)."""
     overrides, threshold = ARCHITECTURES[name]
-    extra = (*overrides, "train.max_epochs=20", "train.threads=1", "train.valid_bleu=false")
+    extra = (*overrides, "train.max_epochs=20", "train.threads=1", "validation.bleu=false")
     assert (
-        main(["train", "--config", str(TINY), *tiny_overrides(corpus, tmp_path, *extra, "train.best_metric=loss")]) == 0
+        main(["train", "--config", str(TINY), *tiny_overrides(corpus, tmp_path, *extra, "validation.best_metric=loss")])
+        == 0
     )
     assert exact_matches(tmp_path / "checkpoint_best.pt", corpus, strategy="greedy") >= threshold

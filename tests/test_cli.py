@@ -112,7 +112,7 @@ def test_translate_stdin_to_stdout(trained_run: Path) -> None:
 
 
 def test_translate_rejects_training_overrides(trained_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["translate", "-c", str(trained_run / "checkpoint_best.pt"), "train.lr=1"]) == 2
+    assert main(["translate", "-c", str(trained_run / "checkpoint_best.pt"), "optim.lr=1"]) == 2
     assert "only decode.* settings" in one_error_line(capsys)
 
 
@@ -327,6 +327,6 @@ def test_training_into_a_redirected_stderr_writes_log_lines_not_a_bar(
 
     corpus = write_corpus(tmp_path / "corpus", n_train=200)
     overrides = tiny_overrides(corpus, tmp_path / "run", "train.max_steps=3", "train.log_every=1", "train.threads=1")
-    assert main(["train", "--config", str(TINY), *overrides, "train.valid_bleu=false"]) == 0
+    assert main(["train", "--config", str(TINY), *overrides, "validation.bleu=false"]) == 0
     err = capsys.readouterr().err
     assert "step 3: loss" in err and "upd/s" not in err and "\r" not in err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import subprocess
 import sys
@@ -10,16 +11,21 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest import TINY, single_thread_env
 
+from seq2seq import checkpoint as ckpt
+from seq2seq.checkpoint import load_checkpoint
 from seq2seq.cli import main
 from seq2seq.config import (
+    MOVED_TRAIN_KEYS,
     REFERENCE_END,
     REFERENCE_START,
     ExperimentConfig,
     RNNConfig,
     Setting,
     apply_overrides,
+    config_yaml,
     from_dict,
     load_config,
     migrate_model,
@@ -96,12 +102,12 @@ def test_unknown_nested_key_names_key_file_and_suggestion(tmp_path: Path) -> Non
 
 def test_unknown_override_key_is_suggested_and_blames_command_line(tmp_path: Path) -> None:
     message = config_error(write(tmp_path, "{}\n"), "train.lrr=0.1")
-    assert "'train.lrr'" in message and "did you mean 'train.lr'" in message
+    assert "'train.lrr'" in message and "did you mean 'optim.lr'" in message
     assert "command line" in message
 
 
 def test_unrelated_unknown_key_lists_valid_keys_instead_of_a_wrong_guess(tmp_path: Path) -> None:
-    """A shared `train.` prefix must not make `train.foo` look like `train.lr`."""
+    """A shared `train.` prefix must not make `train.foo` look like `train.seed`."""
     message = config_error(write(tmp_path, "train:\n  foo: 1\n"))
     assert "did you mean" not in message
     assert "valid keys:" in message and "max_tokens" in message
@@ -116,9 +122,9 @@ def test_unrelated_unknown_key_lists_valid_keys_instead_of_a_wrong_guess(tmp_pat
         ("model:\n  d_model: big\n", "model.d_model must be int; got 'big'"),
         ("model:\n  d_model: true\n", "model.d_model must be int"),  # bool is not an int here
         ("model:\n  d_model: 64.5\n", "model.d_model must be int"),
-        ("train:\n  lr: fast\n", "train.lr must be float"),
+        ("train:\n  lr: fast\n", "optim.lr must be float"),
         ("train:\n  deterministic: 1\n", "train.deterministic must be bool"),
-        ("train:\n  betas: 0.9\n", "train.betas must be a list of 2 values"),
+        ("train:\n  betas: 0.9\n", "optim.betas must be a list of 2 values"),
         ("data:\n  src_lang: null\n", "data.src_lang must be str"),
         ("model: 5\n", "model must be a mapping"),
     ],
@@ -149,15 +155,15 @@ def test_d_model_not_divisible_by_heads(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("overrides", "needle"),
     [
-        (["train.lr=.inf"], "train.lr must be a finite number"),
+        (["optim.lr=.inf"], "optim.lr must be a finite number"),
         (["model.dropout=nan"], "model.dropout must be a finite number"),
-        (["train.betas=[0.9, 1.5]"], "train.betas"),
-        (["train.eps=0"], "train.eps must be positive"),
+        (["optim.betas=[0.9, 1.5]"], "optim.betas"),
+        (["optim.eps=0"], "optim.eps must be positive"),
         (["data.shared_vocab=false"], "model.share_all_embeddings needs data.shared_vocab"),
         (["data.max_len=600"], "data.max_len (600) must be below model.max_positions (512)"),
         (["data.sampling_nbest=1"], "data.sampling_nbest must be -1 or at least 2; got 1"),
-        (["train.rdrop_alpha=-1"], "train.rdrop_alpha must be >= 0"),
-        (["train.rdrop_alpha=5", "model.dropout=0"], "train.rdrop_alpha compares two dropout passes"),
+        (["optim.rdrop_alpha=-1"], "optim.rdrop_alpha must be >= 0"),
+        (["optim.rdrop_alpha=5", "model.dropout=0"], "optim.rdrop_alpha compares two dropout passes"),
         (["data.spm_model_type=bpe", "data.sampling_alpha=1"], "data.sampling_alpha is a dropout probability"),
         (["decode.beam_size=2", "decode.nbest=3"], "decode.nbest (3) must not exceed decode.beam_size (2)"),
         (
@@ -207,12 +213,12 @@ def test_overrides_convert_types_and_beat_the_file(tmp_path: Path) -> None:
     path = write(tmp_path, "train:\n  lr: 0.5\n  max_epochs: 3\n")
     cfg = load_config(
         path,
-        ["train.lr=1", "train.eps=1e-3", "train.deterministic=true", "train.betas=[0.8, 0.9]", "model.d_model=128"],
+        ["optim.lr=1", "optim.eps=1e-3", "train.deterministic=true", "optim.betas=[0.8, 0.9]", "model.d_model=128"],
     )
-    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)  # int -> float
-    assert cfg.train.eps == pytest.approx(1e-3) and isinstance(cfg.train.eps, float)  # PyYAML reads "1e-3" as str
+    assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)  # int -> float
+    assert cfg.optim.eps == pytest.approx(1e-3) and isinstance(cfg.optim.eps, float)  # PyYAML reads "1e-3" as str
     assert cfg.train.deterministic is True
-    assert cfg.train.betas == (0.8, 0.9)  # a YAML list becomes the declared tuple
+    assert cfg.optim.betas == (0.8, 0.9)  # a YAML list becomes the declared tuple
     assert cfg.model.d_model == 128
     assert cfg.train.max_epochs == 3  # untouched file values stay
 
@@ -222,7 +228,7 @@ def test_overrides_into_a_new_section_and_with_equals_in_value(tmp_path: Path) -
     assert cfg.data.dir == "/tmp/a=b" and cfg.decode.strategy == "greedy"
 
 
-@pytest.mark.parametrize("override", ["train.lr", "=3", "train.lr.x=1", "train.betas=[0.9]"])
+@pytest.mark.parametrize("override", ["optim.lr", "=3", "optim.lr.x=1", "optim.betas=[0.9]"])
 def test_malformed_override_is_a_config_error(override: str) -> None:
     config_error(None, override)
 
@@ -236,7 +242,7 @@ def test_apply_overrides_returns_a_validated_copy() -> None:
 
 
 def test_save_and_load_round_trip(tmp_path: Path) -> None:
-    cfg = load_config(None, ["train.betas=[0.8, 0.9]", "model.transformer.norm=post", "data.src_lang=fr"])
+    cfg = load_config(None, ["optim.betas=[0.8, 0.9]", "model.transformer.norm=post", "data.src_lang=fr"])
     save_config(cfg, tmp_path / "saved.yaml")
     assert load_config(tmp_path / "saved.yaml") == cfg
 
@@ -304,6 +310,100 @@ def test_config_files_of_the_flat_layout_load_as_before() -> None:
     }
 
 
+# Settings that moved out of train.* (optim, validation, checkpoint): old files, overrides and checkpoints.
+
+NEW_KEYS = [
+    "optim.optimizer=adamw",
+    "optim.lr=3.0e-3",
+    "optim.betas=[0.9, 0.99]",
+    "optim.eps=1.0e-8",
+    "optim.weight_decay=0.01",
+    "optim.schedule=cosine",
+    "optim.warmup_steps=50",
+    "optim.label_smoothing=0.0",
+    "optim.rdrop_alpha=0.5",
+    "optim.clip_norm=2.0",
+    "validation.every=100",
+    "validation.bleu=false",
+    "validation.best_metric=loss",
+    "validation.patience=3",
+    "checkpoint.every=25",
+    "checkpoint.keep_last=4",
+    "checkpoint.average_last=2",
+]
+
+
+def test_a_config_file_with_the_old_train_keys_loads_migrated_with_one_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """tests/data/old_train.yaml sets every moved setting at its old train.* key: the same experiment as the
+    new keys give, and one line in the log that names each old key and its new place."""
+    with caplog.at_level(logging.INFO, logger="seq2seq.config"):
+        old = load_config(DATA / "old_train.yaml")
+    notes = [r for r in caplog.records if r.name == "seq2seq.config"]
+    assert len(notes) == 1 and notes[0].levelno == logging.WARNING
+    for old_key, new_key in MOVED_TRAIN_KEYS.items():
+        assert f"train.{old_key} is now {new_key}" in notes[0].getMessage()
+    assert len(MOVED_TRAIN_KEYS) == len(NEW_KEYS)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="seq2seq.config"):
+        new = load_config(DATA / "old_tiny.yaml", ["model.dropout=0.1", *NEW_KEYS, "train.max_epochs=10"])
+        assert to_dict(new)["train"] == to_dict(old)["train"]
+        assert (new.optim, new.validation, new.checkpoint) == (old.optim, old.validation, old.checkpoint)
+        saved = yaml.safe_load(config_yaml(old))
+        assert not set(saved["train"]) & set(MOVED_TRAIN_KEYS) and saved["validation"]["bleu"] is False
+        caplog.clear()
+        for path in (ROOT / "configs").glob("*.yaml"):  # the project's own configs use the new keys
+            load_config(path)
+    assert not [r for r in caplog.records if r.name == "seq2seq.config"]
+
+
+def test_old_train_keys_on_the_command_line_are_migrated_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="seq2seq.config"):
+        cfg = load_config(ROOT / "configs" / "tiny.yaml", ["train.lr=0.5", "train.valid_bleu=false", "train.seed=3"])
+    assert (cfg.optim.lr, cfg.validation.bleu, cfg.train.seed) == (0.5, False, 3)
+    messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert messages == [
+        "command line: train.lr is now optim.lr (the old keys are still read; write the new ones)",
+        "command line: train.valid_bleu is now validation.bleu (the old keys are still read; write the new ones)",
+    ]
+    later = load_config(ROOT / "configs" / "tiny.yaml", ["optim.lr=0.25", "train.lr=0.5"])
+    assert later.optim.lr == 0.5  # the last override wins, whichever name it uses
+    assert apply_overrides(cfg, ["train.keep_last=7"]).checkpoint.keep_last == 7  # a checkpoint's decode overrides
+    message = config_error(None, "train.patience=-1")
+    assert "validation.patience must be >= 0" in message
+
+
+def test_a_file_that_gives_a_setting_under_both_names_is_refused(tmp_path: Path) -> None:
+    message = config_error(write(tmp_path, "train:\n  lr: 0.1\noptim:\n  lr: 0.2\n"))
+    assert "train.lr is the old name of optim.lr, and both are given: keep optim.lr" in message
+    assert "optim must be a mapping, got int" in config_error(write(tmp_path, "train:\n  lr: 0.1\noptim: 3\n"))
+
+
+def test_checkpoints_storing_the_old_train_keys_load_migrated(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A checkpoint's stored config cannot be rewritten: read at the new keys, with a note (not a warning)."""
+    stored = torch.load(DATA / "old_transformer.pt", weights_only=True)["config"]
+    assert {"lr", "valid_bleu", "keep_last"} <= set(stored["train"])  # the old layout
+    assert load_checkpoint(DATA / "old_transformer.pt").config.optim == ExperimentConfig().optim
+    raw = ckpt.read(DATA / "old_transformer.pt").to_dict()
+    old_train = {**raw["config"]["train"], "lr": 0.002, "valid_bleu": False, "keep_last": 3, "save_every": 7}
+    for section in ("optim", "validation", "checkpoint"):
+        for key, value in raw["config"].pop(section).items():
+            old_train.setdefault(next(k for k, v in MOVED_TRAIN_KEYS.items() if v == f"{section}.{key}"), value)
+    raw["config"]["train"] = old_train
+    raw["sha256"] = ckpt.content_hash(raw)
+    torch.save(raw, tmp_path / "old.pt")
+    with caplog.at_level(logging.INFO, logger="seq2seq.config"):
+        cfg = ckpt.read(tmp_path / "old.pt").config
+    assert (cfg.optim.lr, cfg.validation.bleu, cfg.checkpoint.keep_last, cfg.checkpoint.every) == (0.002, False, 3, 7)
+    [note] = [r for r in caplog.records if r.name == "seq2seq.config"]
+    assert note.levelno == logging.INFO and "old.pt (stored config): train." in note.getMessage()
+    assert "train.lr is now optim.lr" in note.getMessage()
+    ckpt.save(tmp_path / "again.pt", ckpt.read(tmp_path / "old.pt"))
+    resaved = torch.load(tmp_path / "again.pt", weights_only=True)["config"]
+    assert resaved["optim"]["lr"] == 0.002 and not set(resaved["train"]) & set(MOVED_TRAIN_KEYS)
+
+
 def test_the_migration_leaves_todays_layout_alone() -> None:
     model = to_dict(load_config(ROOT / "configs" / "m30k_de_en_rnn.yaml"))["model"]
     assert migrate_model(model, "x") == model
@@ -342,9 +442,9 @@ def test_the_command_line_switches_architecture_by_dropping_the_files_section() 
 
 
 def test_rdrop_counts_only_the_chosen_architectures_dropout() -> None:
-    message = config_error(None, "model.arch=rnn", "model.dropout=0", "train.rdrop_alpha=1")
-    assert "train.rdrop_alpha compares two dropout passes" in message
-    assert load_config(None, ["model.dropout=0", "model.transformer.attention_dropout=0.1", "train.rdrop_alpha=1"])
+    message = config_error(None, "model.arch=rnn", "model.dropout=0", "optim.rdrop_alpha=1")
+    assert "optim.rdrop_alpha compares two dropout passes" in message
+    assert load_config(None, ["model.dropout=0", "model.transformer.attention_dropout=0.1", "optim.rdrop_alpha=1"])
 
 
 @pytest.mark.parametrize(
@@ -371,8 +471,8 @@ def test_absurd_sizes_are_refused_with_their_limit(override: str) -> None:
 
 
 def test_average_last_needs_as_many_kept_checkpoints() -> None:
-    message = config_error(None, "train.keep_last=0", "train.average_last=3")
-    assert "train.average_last (3) must not exceed train.keep_last (0)" in message
+    message = config_error(None, "checkpoint.keep_last=0", "checkpoint.average_last=3")
+    assert "checkpoint.average_last (3) must not exceed checkpoint.keep_last (0)" in message
 
 
 def test_yaml_aliases_are_refused(tmp_path: Path) -> None:
@@ -380,7 +480,7 @@ def test_yaml_aliases_are_refused(tmp_path: Path) -> None:
     bomb = "a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
     assert "exp.yaml:2: YAML aliases (*name) are not supported" in config_error(write(tmp_path, bomb))
     assert load_config(write(tmp_path, "train: &t\n  seed: 3\n")).train.seed == 3
-    assert "train.betas" in config_error(None, "train.betas=[&x 0.9, *x]")  # kept as text, then refused
+    assert "optim.betas" in config_error(None, "optim.betas=[&x 0.9, *x]")  # kept as text, then refused
 
 
 def test_a_key_given_twice_is_refused_with_its_line(tmp_path: Path) -> None:

@@ -100,7 +100,7 @@ def test_the_run_directory_as_prepared_dir_on_resume_is_refused(
     small_corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run = tmp_path / "run"
-    train = ["train", *prepare_argv(small_corpus, run)[1:], "train.max_steps=2", "train.valid_bleu=false"]
+    train = ["train", *prepare_argv(small_corpus, run)[1:], "train.max_steps=2", "validation.bleu=false"]
     assert run_in_process(train, capsys).code == 0
     before = snapshot(run, small_corpus)
     outcome = run_in_process([*prepare_argv(small_corpus, run), f"data.prepared_dir={run}"], capsys)
@@ -158,7 +158,7 @@ def test_train_removes_only_its_own_stale_checkpoint_temporaries(
     mine = [run / ".checkpoint_notes.tmp", run / ".checkpoint.tmp"]  # the same prefix and suffix, not ours
     for path in mine:
         path.write_text("mine\n")
-    train = ["train", *prepare_argv(small_corpus, run)[1:], "train.max_steps=1", "train.valid_bleu=false"]
+    train = ["train", *prepare_argv(small_corpus, run)[1:], "train.max_steps=1", "validation.bleu=false"]
     assert run_in_process(train, capsys).code == 0
     assert not stale.exists() and all(path.read_text() == "mine\n" for path in mine)
 
@@ -231,7 +231,7 @@ def test_a_rerun_after_an_interrupted_first_save_starts_the_run_over(
     small_corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     run = tmp_path / "run"
-    train = ["train", *prepare_argv(small_corpus, run)[1:], "train.max_steps=2", "train.valid_bleu=false"]
+    train = ["train", *prepare_argv(small_corpus, run)[1:], "train.max_steps=2", "validation.bleu=false"]
     real = os.replace
 
     def disk_full_at_checkpoint_last(src: str, dst: str) -> None:

@@ -22,7 +22,7 @@ from seq2seq.training.trainer import train
 COMMON = (
     "model.dropout=0.2",
     "train.max_steps=4",
-    "train.valid_bleu=false",
+    "validation.bleu=false",
     "train.max_tokens=256",
     "train.log_every=1",
     "train.threads=1",
@@ -34,7 +34,7 @@ COMMON = (
     ("device", "extra"),
     [
         ("cpu", ()),
-        ("cpu", ("train.rdrop_alpha=2",)),  # each rank's two passes in one forward: one backward for DDP to reduce
+        ("cpu", ("optim.rdrop_alpha=2",)),  # each rank's two passes in one forward: one backward for DDP to reduce
         pytest.param("cuda", (), marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")),
     ],
 )

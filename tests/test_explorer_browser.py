@@ -39,7 +39,7 @@ def rnn_checkpoint(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     """A small RNN with MLP attention, trained briefly: the lectures' other model, beside the Transformer."""
     run_dir = tmp_path_factory.mktemp("runs") / "rnn"
     rnn = ["model.arch=rnn", "model.transformer=null", "model.rnn.attention=mlp", "model.rnn.hidden_size=32"]
-    extra = ("train.max_steps=30", "train.threads=1", "train.precision=fp32", "train.valid_bleu=false", *rnn)
+    extra = ("train.max_steps=30", "train.threads=1", "train.precision=fp32", "validation.bleu=false", *rnn)
     assert main(["train", "--config", str(TINY), *tiny_overrides(corpus, run_dir, *extra)]) == 0
     return run_dir / "checkpoint_best.pt"
 

@@ -134,7 +134,7 @@ def variants(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     out = {}
     for name, overrides in VARIANTS.items():
         run = tmp_path_factory.mktemp("variant") / name
-        extra = ["train.max_steps=120", "train.threads=1", "train.valid_bleu=false", *overrides]
+        extra = ["train.max_steps=120", "train.threads=1", "validation.bleu=false", *overrides]
         assert main(["train", "--config", str(TINY), *tiny_overrides(corpus, run, *extra)]) == 0
         checkpoint = run / "checkpoint_last.pt"
         assert main(["export", str(checkpoint), "-o", str(run / "ct2")]) == 0

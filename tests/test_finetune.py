@@ -21,7 +21,7 @@ from seq2seq.prepare import MANIFEST, tokenizer_hash
 from seq2seq.training.assembly import assemble
 from seq2seq.training.trainer import Trainer, train
 
-FAST = ("train.valid_bleu=false", "train.max_tokens=256", "train.log_every=1", "train.threads=1")
+FAST = ("validation.bleu=false", "train.max_tokens=256", "train.log_every=1", "train.threads=1")
 MAPPED = {"cat": "dog"}  # the changed task: reversal, with every cat of the source a dog in the target
 
 
@@ -183,7 +183,7 @@ def test_a_parent_inside_the_new_run_directory_is_refused(shifted: Path, tmp_pat
 
 def test_an_interrupted_fine_tuning_run_resumes_exactly(trained_run: Path, shifted: Path, tmp_path: Path) -> None:
     """Once the child has its own checkpoint_last, a restart resumes it; the parent is not read again."""
-    settings = ("model.dropout=0.2", "train.warmup_steps=4")
+    settings = ("model.dropout=0.2", "optim.warmup_steps=4")
     parent = tmp_path / "parent.pt"
     shutil.copyfile(trained_run / ckpt.BEST, parent)
     whole = train(child(shifted, tmp_path / "whole", parent, *settings, "train.max_steps=6"))

@@ -274,7 +274,10 @@ ALIAS_BOMB = "".join(
             ["train", "--config", str(TINY), "data.sampling_nbest=1099511627776"],
             "data.sampling_nbest must be at most 1024",
         ),
-        (["train", "--config", str(TINY), "train.keep_last=0", "train.average_last=3"], "train.keep_last (0)"),
+        (
+            ["train", "--config", str(TINY), "checkpoint.keep_last=0", "checkpoint.average_last=3"],
+            "checkpoint.keep_last (0)",
+        ),
         (
             ["translate", "-c", "{checkpoint}", "decode.beam_size=1099511627776"],
             "decode.beam_size must be at most 1024",
@@ -413,7 +416,7 @@ def test_ctrl_c_during_imports_is_one_line(trained_run: Path) -> None:
 @pytest.mark.trains  # torchrun's workers train, then a `seq2seq train` resumes: both in child processes
 def test_survivor_of_a_killed_rank_says_one_line_and_the_run_resumes(corpus: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    common = ("train.valid_bleu=false", "train.max_tokens=256", "train.threads=1", "train.save_every=2")
+    common = ("validation.bleu=false", "train.max_tokens=256", "train.threads=1", "checkpoint.every=2")
     overrides = tiny_overrides(corpus, run_dir, *common)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *COMMAND[1:]]
     env = {**single_thread_env(), "PYTHONPATH": str(ROOT)}

@@ -16,7 +16,7 @@ from conftest import TINY, reversal_pairs, tiny_overrides, write_corpus
 from seq2seq.app.evaluation import eval_set
 from seq2seq.checkpoint import read
 from seq2seq.cli import main
-from seq2seq.config import TrainConfig, load_config, to_dict
+from seq2seq.config import ExperimentConfig, TrainConfig, load_config, to_dict
 from seq2seq.data import read_split
 from seq2seq.errors import DataError
 from seq2seq.prepare import PreparedCorpus, prepare, stale_reason
@@ -24,7 +24,7 @@ from seq2seq.training.budget import plan_warnings, planned_updates
 from seq2seq.vocab import UNK
 
 SPLITS = (("train", 300, 0), ("val", 50, 1), ("test", 20, 2))
-QUICK = ("train.threads=1", "train.valid_bleu=false", "train.precision=fp32")
+QUICK = ("train.threads=1", "validation.bleu=false", "train.precision=fp32")
 
 
 def pair_line(fmt: str, src: str, tgt: str) -> str:
@@ -235,16 +235,16 @@ def test_config_prints_the_resolved_config(tmp_path: Path, capsys: pytest.Captur
 
 
 def test_plan_warnings_name_the_limit_that_does_not_fit() -> None:
-    fits = TrainConfig(max_epochs=0, max_steps=100, warmup_steps=50)
-    assert planned_updates(fits, per_epoch=10) == 100 and plan_warnings(fits, 300, per_epoch=10) == []
+    fits = TrainConfig(max_epochs=0, max_steps=100)
+    assert planned_updates(fits, per_epoch=10) == 100 and plan_warnings(fits, 300, per_epoch=10, warmup_steps=50) == []
     assert planned_updates(TrainConfig(max_epochs=3, max_steps=0), per_epoch=10) == 30
     assert planned_updates(TrainConfig(max_epochs=0, max_minutes=5), per_epoch=10) == 0
-    [warmup] = plan_warnings(TrainConfig(max_epochs=0, max_steps=100, warmup_steps=51), 300, per_epoch=10)
-    assert warmup.startswith("train.warmup_steps=51 is more than half of the 100 planned updates (300 pairs")
-    [epochs] = plan_warnings(TrainConfig(max_epochs=2, max_steps=25, warmup_steps=1), 300, per_epoch=10)
+    [warmup] = plan_warnings(TrainConfig(max_epochs=0, max_steps=100), 300, per_epoch=10, warmup_steps=51)
+    assert warmup.startswith("optim.warmup_steps=51 is more than half of the 100 planned updates (300 pairs")
+    [epochs] = plan_warnings(TrainConfig(max_epochs=2, max_steps=25), 300, per_epoch=10, warmup_steps=1)
     assert "train.max_epochs=2 stops the run after about 20 updates" in epochs and "max_steps=25" in epochs
     with pytest.raises(Exception, match="train.max_epochs 0 .* needs train.max_steps"):
-        TrainConfig(max_epochs=0)
+        ExperimentConfig(train=TrainConfig(max_epochs=0))
 
 
 @pytest.mark.trains
@@ -252,13 +252,13 @@ def test_training_warns_about_settings_that_do_not_fit_the_corpus(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     corpus = write_corpus(tmp_path / "corpus", n_train=100)
-    misfit = ("data.vocab_size=8000", "train.max_epochs=1", "train.max_steps=1000", "train.warmup_steps=50")
+    misfit = ("data.vocab_size=8000", "train.max_epochs=1", "train.max_steps=1000", "optim.warmup_steps=50")
     assert main(["train", *args(corpus, tmp_path / "misfit", *misfit)]) == 0
     err = capsys.readouterr().err
     assert "data.vocab_size asked for 8000 pieces, but SentencePiece built 34" in err
-    assert "train.warmup_steps=50 is more than half of the" in err
+    assert "optim.warmup_steps=50 is more than half of the" in err
     assert "train.max_epochs=1 stops the run after about" in err
-    fit = ("data.vocab_size=34", "train.max_epochs=0", "train.max_steps=6", "train.warmup_steps=2")
+    fit = ("data.vocab_size=34", "train.max_epochs=0", "train.max_steps=6", "optim.warmup_steps=2")
     assert main(["train", *args(corpus, tmp_path / "fit", *fit)]) == 0
     err = capsys.readouterr().err
     assert "SentencePiece built" not in err and "warmup_steps" not in err and "max_epochs" not in err

@@ -86,7 +86,7 @@ def test_train_prepares_once_and_the_next_run_reuses_it(tmp_path: Path, capsys: 
     assert "preparing 300 lines" in capsys.readouterr().err
     assert main(["prepare", *args]) == 0
     assert "using the prepared data" in capsys.readouterr().err
-    assert main(["train", *args, "train.max_steps=2", "train.valid_bleu=false", "train.num_workers=1"]) == 0
+    assert main(["train", *args, "train.max_steps=2", "validation.bleu=false", "train.num_workers=1"]) == 0
     err = capsys.readouterr().err
     assert "using the prepared data" in err and "preparing" not in err
 

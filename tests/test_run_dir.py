@@ -22,8 +22,8 @@ from seq2seq.run_dir import RunDirectory
 from seq2seq.training.trainer import train
 
 pytestmark = pytest.mark.trains  # every test but one trains, here or in a child `seq2seq train`
-FAST = ("train.valid_bleu=false", "train.max_tokens=256", "train.max_epochs=1000", "train.log_every=1")
-DROPOUT = ("model.dropout=0.2", "model.transformer.attention_dropout=0.1", "train.warmup_steps=4")  # so the RNG matters
+FAST = ("validation.bleu=false", "train.max_tokens=256", "train.max_epochs=1000", "train.log_every=1")
+DROPOUT = ("model.dropout=0.2", "model.transformer.attention_dropout=0.1", "optim.warmup_steps=4")  # so the RNG matters
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def test_a_fresh_run_refuses_another_runs_checkpoints(
     small: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     first, second = tmp_path / "first", tmp_path / "second"
-    assert cli_train(small, first, "train.max_steps=4", "train.valid_every=2", "train.keep_last=5") == 0
+    assert cli_train(small, first, "train.max_steps=4", "validation.every=2", "checkpoint.keep_last=5") == 0
     second.mkdir()
     for name in ("checkpoint_step2.pt", "checkpoint_step4.pt"):
         (second / name).write_bytes((first / name).read_bytes())
@@ -91,7 +91,7 @@ def test_a_fresh_run_refuses_its_own_checkpoints_once_checkpoint_last_is_gone(
     """A run that wrote checkpoint_last, which was then deleted: its checkpoint_best and step checkpoints are
     work a rerun would overwrite, not the leftovers of an interrupted first save."""
     run = tmp_path / "run"
-    settings = ("train.max_steps=4", "train.valid_every=2", f"train.keep_last={keep_last}")
+    settings = ("train.max_steps=4", "validation.every=2", f"checkpoint.keep_last={keep_last}")
     assert cli_train(small, run, *settings) == 0
     (run / ckpt.LAST).unlink()
     before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file() and p.name != ".lock"}
@@ -106,11 +106,11 @@ def test_a_fresh_run_refuses_its_own_checkpoints_once_checkpoint_last_is_gone(
 
 def test_a_resumed_run_averages_and_prunes_only_its_own_checkpoints(small: Path, tmp_path: Path) -> None:
     run = RunDirectory(tmp_path / "run")
-    assert cli_train(small, run.path, "train.max_steps=2", "train.valid_every=1", "train.keep_last=3") == 0
+    assert cli_train(small, run.path, "train.max_steps=2", "validation.every=1", "checkpoint.keep_last=3") == 0
     ours = ckpt.read(run.last).run_id
     foreign = ckpt.read(run.step(2))
     ckpt.save(run.step(100), ckpt.Checkpoint(foreign.config, foreign.tokenizer, foreign.model, "another-run"))
-    extra = ("train.valid_every=1", "train.keep_last=3", "train.average_last=3")
+    extra = ("validation.every=1", "checkpoint.keep_last=3", "checkpoint.average_last=3")
     assert cli_train(small, run.path, "train.max_steps=5", *extra) == 0
     assert [p.name for p in run.step_checkpoints(ours)] == [f"checkpoint_step{n}.pt" for n in (3, 4, 5)]
     assert run.step(100).exists(), "another run's file is neither pruned nor averaged"
@@ -121,10 +121,10 @@ def test_save_every_writes_step_checkpoints_and_average_says_when_it_finds_fewer
     small: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run = RunDirectory(tmp_path / "run")
-    settings = ("train.max_steps=4", "train.valid_every=0", "train.save_every=2", "train.keep_last=5")
-    assert cli_train(small, run.path, *settings, "train.average_last=3") == 0
+    settings = ("train.max_steps=4", "validation.every=0", "checkpoint.every=2", "checkpoint.keep_last=5")
+    assert cli_train(small, run.path, *settings, "checkpoint.average_last=3") == 0
     assert [p.name for p in run.step_checkpoints()] == ["checkpoint_step2.pt", "checkpoint_step4.pt"]
-    assert "train.average_last=3, but this run kept 2 step checkpoints" in capsys.readouterr().err
+    assert "checkpoint.average_last=3, but this run kept 2 step checkpoints" in capsys.readouterr().err
     assert main(["average", "--run-dir", str(run.path), "--last", "5", "-o", str(tmp_path / "avg.pt")]) == 0
     err = capsys.readouterr().err
     assert "--last 5: " in err and "holds only 2 step checkpoint(s) of its run; averaging those" in err
@@ -143,8 +143,8 @@ def test_resume_refuses_what_the_tokenizer_data_or_weights_fixed(
     key = change.split("=")[0]
     assert f"the config does not match its checkpoint: {key} is" in one_line(capsys)
     assert (run / ckpt.LAST).read_bytes() == before
-    assert cli_train(small, run, "train.max_steps=2", "train.lr=1e-3", "train.log_every=5") == 0  # harmless ones
-    assert "config changed since the checkpoint: train.lr" in (run / "train.log").read_text()
+    assert cli_train(small, run, "train.max_steps=2", "optim.lr=1e-3", "train.log_every=5") == 0  # harmless ones
+    assert "config changed since the checkpoint: optim.lr" in (run / "train.log").read_text()
 
 
 # Killed processes: deterministic (inside a save) and at random moments.
@@ -152,7 +152,7 @@ def test_resume_refuses_what_the_tokenizer_data_or_weights_fixed(
 
 def _uninterrupted(corpus: Path, tmp_path: Path, steps: int) -> dict[str, torch.Tensor]:
     run = tmp_path / "whole"
-    train(load_config(TINY, overrides(corpus, run, *DROPOUT, "train.save_every=1", f"train.max_steps={steps}")))
+    train(load_config(TINY, overrides(corpus, run, *DROPOUT, "checkpoint.every=1", f"train.max_steps={steps}")))
     return weights(run)
 
 
@@ -163,7 +163,7 @@ def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None
 def test_a_process_killed_inside_a_save_loses_nothing_and_resumes_exactly(small: Path, tmp_path: Path) -> None:
     """The child dies by SIGKILL between writing a save's temporary file and renaming it into place."""
     run, steps = tmp_path / "run", 8
-    args = ["train", "--config", str(TINY), *overrides(small, run, *DROPOUT, "train.save_every=1")]
+    args = ["train", "--config", str(TINY), *overrides(small, run, *DROPOUT, "checkpoint.every=1")]
     child = textwrap.dedent(f"""
         import os, signal
         from seq2seq import checkpoint
@@ -182,7 +182,7 @@ def test_a_process_killed_inside_a_save_loses_nothing_and_resumes_exactly(small:
     leftovers = [p.name for p in run.glob(".checkpoint*.tmp")]
     assert len(leftovers) == 1, leftovers  # the interrupted save; checkpoint_last is the previous one
     assert ckpt.read(run / ckpt.LAST).training.progress.step == 4
-    assert cli_train(small, run, *DROPOUT, "train.save_every=1", f"train.max_steps={steps}") == 0
+    assert cli_train(small, run, *DROPOUT, "checkpoint.every=1", f"train.max_steps={steps}") == 0
     assert not list(run.glob(".checkpoint*.tmp"))
     _assert_same(weights(run), _uninterrupted(small, tmp_path, steps))
 
@@ -190,7 +190,7 @@ def test_a_process_killed_inside_a_save_loses_nothing_and_resumes_exactly(small:
 def test_kill_9_at_random_moments_then_resume_gives_the_uninterrupted_weights(small: Path, tmp_path: Path) -> None:
     run, steps, rng = tmp_path / "run", 24, random.Random(0)
     command = [sys.executable, "-m", "seq2seq", "train", "--config", str(TINY)]
-    command += overrides(small, run, *DROPOUT, "train.save_every=1", f"train.max_steps={steps}")
+    command += overrides(small, run, *DROPOUT, "checkpoint.every=1", f"train.max_steps={steps}")
     kills = 0
     for _ in range(3):
         proc = subprocess.Popen(command, cwd=ROOT, env=single_thread_env(), stderr=subprocess.DEVNULL)
@@ -203,7 +203,7 @@ def test_kill_9_at_random_moments_then_resume_gives_the_uninterrupted_weights(sm
             kills += 1
         proc.wait(timeout=60)
     assert kills >= 2, "the run finished before it could be killed; make it longer"
-    assert cli_train(small, run, *DROPOUT, "train.save_every=1", f"train.max_steps={steps}") == 0
+    assert cli_train(small, run, *DROPOUT, "checkpoint.every=1", f"train.max_steps={steps}") == 0
     assert ckpt.read(run / ckpt.LAST).training.progress.step == steps
     _assert_same(weights(run), _uninterrupted(small, tmp_path, steps))
 
@@ -228,7 +228,7 @@ def test_a_kill_inside_the_first_save_is_rerun_from_the_start(
 ) -> None:
     """Killed after checkpoint_best, before the first checkpoint_last: the rerun knows those files as its own."""
     run = tmp_path / "run"
-    settings = ("train.max_steps=3", "train.valid_every=2", "train.keep_last=2")
+    settings = ("train.max_steps=3", "validation.every=2", "checkpoint.keep_last=2")
     args = ["train", "--config", str(TINY), *overrides(small, run, *settings)]
     child = textwrap.dedent(f"""
         import os, signal

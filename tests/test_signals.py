@@ -167,8 +167,8 @@ def test_training_saves_and_resumes_after_a_signal_anywhere(
     """Armed after the second update's saves (a step checkpoint and checkpoint_last each update): inside the
     fourth write, or in the next collection."""
     run = tmp_path / "run"
-    fast = ["train.valid_bleu=false", "train.max_tokens=256", "train.max_steps=200", "train.threads=1"]
-    argv = ["train", "--config", str(TINY), *tiny_overrides(corpus, run, *fast, "train.save_every=1")]
+    fast = ["validation.bleu=false", "train.max_tokens=256", "train.max_steps=200", "train.threads=1"]
+    argv = ["train", "--config", str(TINY), *tiny_overrides(corpus, run, *fast, "checkpoint.every=1")]
     proc = run_driver(argv, sig, where, arm="torch:save", after=4)
     assert proc.returncode == 128 + sig, proc.stderr
     assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
@@ -178,7 +178,7 @@ def test_training_saves_and_resumes_after_a_signal_anywhere(
     stopped = training.progress.step
     assert 2 <= stopped < 200
     assert f"stopped by a signal at step {stopped}" in (run / "train.log").read_text()
-    assert main([*argv[:-1], f"train.max_steps={stopped + 1}", "train.save_every=1"]) == 0
+    assert main([*argv[:-1], f"train.max_steps={stopped + 1}", "checkpoint.every=1"]) == 0
     assert f"at step {stopped} (epoch" in (run / "train.log").read_text()
 
 

@@ -73,7 +73,7 @@ def test_quickstart_model_learns_german_to_english(multi30k: Path, tmp_path: Pat
 def test_resume_on_multi30k_reaches_the_same_weights(multi30k: Path, tmp_path: Path) -> None:
     """The quickstart model in its own precision and batching, stopped mid-epoch: resuming changes nothing."""
     whole, part = tmp_path / "whole", tmp_path / "part"
-    settings = ("train.valid_bleu=false", "train.warmup_steps=10")
+    settings = ("validation.bleu=false", "optim.warmup_steps=10")
     seq2seq("train", *quickstart(multi30k, whole), *settings, f"train.max_steps={END}", cwd=tmp_path)
     seq2seq("train", *quickstart(multi30k, part), *settings, f"train.max_steps={STOP}", cwd=tmp_path)
     seq2seq("train", *quickstart(multi30k, part), *settings, f"train.max_steps={END}", cwd=tmp_path)

@@ -35,7 +35,7 @@ from seq2seq.training.trainer import Trainer, train
 # Small batches of a small corpus: 14 batches an epoch, a few milliseconds an update. One thread: on a
 # busy machine, two OpenMP threads per process can make these tiny steps 20x slower.
 FAST = (
-    "train.valid_bleu=false",
+    "validation.bleu=false",
     "train.max_tokens=256",
     "train.max_epochs=1000",
     "train.log_every=1",
@@ -174,14 +174,14 @@ def test_bf16_autocast_trains_like_fp32_on_cpu(small: Path, tmp_path: Path) -> N
 def test_rdrop_reaches_the_training_step_and_trains(small: Path, tmp_path: Path) -> None:
     losses = []
     for alpha in (1e-6, 2.0):  # R-Drop on in both: the same two dropout masks, a heavier KL in the second
-        trainer = assemble(config(small, tmp_path / f"alpha{alpha}", "model.dropout=0.1", f"train.rdrop_alpha={alpha}"))
+        trainer = assemble(config(small, tmp_path / f"alpha{alpha}", "model.dropout=0.1", f"optim.rdrop_alpha={alpha}"))
         try:
             batch = trainer.epochs.batch(1, 0)
             losses.append(float(trainer.update.accumulate([batch], step=1)[0]))
         finally:
             trainer.close()
     assert losses[1] > losses[0]
-    state = train(config(small, tmp_path / "run", "model.dropout=0.1", "train.rdrop_alpha=2", "train.max_steps=60"))
+    state = train(config(small, tmp_path / "run", "model.dropout=0.1", "optim.rdrop_alpha=2", "train.max_steps=60"))
     assert state.best < 2.5  # as far as without R-Drop in the test above
 
 
@@ -195,7 +195,7 @@ def test_rdrop_reaches_the_training_step_and_trains(small: Path, tmp_path: Path)
         (1, 5, 20, ()),
         (2, 3, 10, ()),
         (1, 5, 20, ("data.sampling_alpha=0.2", "data.sampling_nbest=-1")),
-        (2, 3, 10, ("train.rdrop_alpha=2",)),
+        (2, 3, 10, ("optim.rdrop_alpha=2",)),
         (1, 5, 20, ("model.arch=rnn", "model.transformer=null", "model.rnn.hidden_size=32", "model.rnn.attention=mlp")),
         (1, 5, 20, ("train.num_workers=2", "data.sampling_alpha=0.2")),  # collated in worker processes
         (2, 3, 10, ("train.precision=bf16",)),  # autocast, bounded rows, the kernel choice: on every CPU kind
@@ -210,7 +210,7 @@ def test_resume_reaches_the_same_weights_as_an_uninterrupted_run(
         "model.dropout=0.2",
         "model.transformer.attention_dropout=0.1",
         f"train.update_freq={update_freq}",
-        "train.warmup_steps=4",
+        "optim.warmup_steps=4",
         f"train.device={device.type}",
         *extra,
     )
@@ -338,7 +338,7 @@ def test_a_signal_saves_a_checkpoint_and_exits_cleanly(small: Path, tmp_path: Pa
 @pytest.mark.trains
 def test_kill_9_leaves_only_complete_checkpoints_and_the_run_resumes(small: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    proc, _ = _start(small, run, "train.save_every=1", "train.valid_every=4", "train.keep_last=2")
+    proc, _ = _start(small, run, "checkpoint.every=1", "validation.every=4", "checkpoint.keep_last=2")
     _wait_for(_logged_step(run, 9), proc)
     proc.send_signal(signal.SIGKILL)  # saving is continuous here, so this often lands mid-write
     proc.wait(timeout=60)
@@ -353,12 +353,17 @@ def test_kill_9_leaves_only_complete_checkpoints_and_the_run_resumes(small: Path
     (run / ".checkpoint_last.pt.x1y2.tmp").write_bytes(b"half a checkpoint")
     state = train(
         config(
-            small, run, "train.save_every=1", "train.valid_every=4", "train.keep_last=2", f"train.max_steps={saved + 2}"
+            small,
+            run,
+            "checkpoint.every=1",
+            "validation.every=4",
+            "checkpoint.keep_last=2",
+            f"train.max_steps={saved + 2}",
         )
     )
     assert state.step == saved + 2
     assert not list(run.glob(".*.tmp"))
-    assert len(list(run.glob("checkpoint_step*.pt"))) == 2  # train.keep_last
+    assert len(list(run.glob("checkpoint_step*.pt"))) == 2  # checkpoint.keep_last
 
 
 # Non-finite losses.
@@ -392,7 +397,7 @@ def test_persistent_nan_stops_with_a_clear_message(
     small: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _nan_loss(monkeypatch, lambda call: call > 2)
-    with pytest.raises(TrainingError, match=r"training diverged: 3 updates in a row .* \(at step 3\); lower train.lr"):
+    with pytest.raises(TrainingError, match=r"training diverged: 3 updates in a row .* \(at step 3\); lower optim.lr"):
         train(config(small, tmp_path / "run", "train.max_bad_steps=3", "train.max_steps=50"))
 
 
@@ -433,11 +438,11 @@ def test_best_checkpoint_by_metric_and_early_stopping(
             config(
                 small,
                 run,
-                f"train.best_metric={metric}",
-                "train.patience=2",
-                "train.valid_every=1",
-                "train.keep_last=3",
-                "train.average_last=2",
+                f"validation.best_metric={metric}",
+                "validation.patience=2",
+                "validation.every=1",
+                "checkpoint.keep_last=3",
+                "checkpoint.average_last=2",
                 "train.max_steps=20",
             )
         )
@@ -451,7 +456,7 @@ def test_best_checkpoint_by_metric_and_early_stopping(
     assert "(patience)" in (run / "train.log").read_text()
     assert sorted(p.name for p in run.glob("checkpoint_step*.pt")) == [f"checkpoint_step{n}.pt" for n in (2, 3, 4)]
     step3, step4 = weights(run, "checkpoint_step3.pt"), weights(run, "checkpoint_step4.pt")
-    for name, tensor in weights(run, "checkpoint_avg.pt").items():  # train.average_last
+    for name, tensor in weights(run, "checkpoint_avg.pt").items():  # checkpoint.average_last
         torch.testing.assert_close(tensor, ((step3[name].double() + step4[name].double()) / 2).float())
 
 
@@ -463,7 +468,7 @@ def test_tensorboard_scalars_examples_and_log_file(small: Path, tmp_path: Path) 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run = tmp_path / "run"
-    train(config(small, run, "train.valid_bleu=true", "train.valid_every=3", "train.max_steps=6", "decode.max_len=12"))
+    train(config(small, run, "validation.bleu=true", "validation.every=3", "train.max_steps=6", "decode.max_len=12"))
     events = EventAccumulator(str(run / "tb"), size_guidance={"scalars": 0, "tensors": 0})
     events.Reload()
     scalars = set(events.Tags()["scalars"])
@@ -488,7 +493,7 @@ def test_tensorboard_scalars_examples_and_log_file(small: Path, tmp_path: Path) 
 @pytest.mark.trains
 def test_metrics_jsonl_holds_every_log_event_appended_across_a_resume(small: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    settings = ("train.valid_bleu=true", "train.valid_every=3", "decode.max_len=12")
+    settings = ("validation.bleu=true", "validation.every=3", "decode.max_len=12")
     train(config(small, run, *settings, "train.max_steps=3"))
     first = (run / "metrics.jsonl").read_text().splitlines()
     train(config(small, run, *settings, "train.max_steps=6"))
@@ -535,7 +540,7 @@ def test_the_numbers_read_back_from_an_update_are_those_computed_on_the_host(
 ) -> None:
     """Loss, nll and gradient norm stay on the device until `finish` reads them in one transfer: the same
     numbers as summing each micro-batch's loss on the host and taking the norm of the gradients it leaves."""
-    settings = ("model.dropout=0", f"train.precision={precision}", "train.update_freq=2", "train.clip_norm=0.5")
+    settings = ("model.dropout=0", f"train.precision={precision}", "train.update_freq=2", "optim.clip_norm=0.5")
     trainer = assemble(config(small, tmp_path / "run", *settings))
     try:
         update, batches = trainer.update, [trainer.epochs.batch(1, 0), trainer.epochs.batch(1, 1)]

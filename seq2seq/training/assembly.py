@@ -104,7 +104,7 @@ def assemble(cfg: ExperimentConfig, tokenizer: Tokenizer | None = None) -> Train
     `tokenizer` skips training one (a resumed run always uses its checkpoint's, a fine-tuning run its
     parent's). A failed start keeps neither the lock, the log file nor the process group.
     """
-    t = cfg.train
+    t, saves = cfg.train, cfg.checkpoint
     run = RunDirectory(t.run_dir)
     with contextlib.ExitStack() as undo:
         undo.callback(dist.teardown)
@@ -117,7 +117,7 @@ def assemble(cfg: ExperimentConfig, tokenizer: Tokenizer | None = None) -> Train
         corpus = setup_corpus(cfg.data, prepared_path(cfg), given)
         tokenizer = corpus.tokenizer
         epochs = setup_data(cfg.data, t, corpus, device)
-        model, optimizer, scaler = setup_model(cfg.model, t, t.seed, tokenizer, device, precision)
+        model, optimizer, scaler = setup_model(cfg.model, cfg.optim, t.seed, tokenizer, device, precision)
         if parent:
             finetune.initialize(model, parent, t.init_from)
         validator = setup_validator(
@@ -127,16 +127,17 @@ def assemble(cfg: ExperimentConfig, tokenizer: Tokenizer | None = None) -> Train
             model,
             max_positions=cfg.model.max_positions,
             max_tokens=t.max_tokens,
-            label_smoothing=t.label_smoothing,
-            with_bleu=t.valid_bleu,
+            label_smoothing=cfg.optim.label_smoothing,
+            with_bleu=cfg.validation.bleu,
             precision=precision,
             device=device,
         )
         progress = restore(resume, model, optimizer, scaler, run, changes) if resume else Progress()
-        update = UpdateStep.from_config(t, model, optimizer, scaler, device, precision, wrap_ddp(model, device))
+        ddp = wrap_ddp(model, device)
+        update = UpdateStep.from_config(t, cfg.optim, model, optimizer, scaler, device, precision, ddp)
         per_epoch = math.ceil(len(epochs.batches(1)) / t.update_freq)
         if main:
-            for warning in plan_warnings(t, len(corpus), per_epoch):
+            for warning in plan_warnings(t, len(corpus), per_epoch, cfg.optim.warmup_steps):
                 log.warning(warning)
             save_config(cfg, run.config)
             tokenizer.save(run.path)
@@ -150,13 +151,13 @@ def assemble(cfg: ExperimentConfig, tokenizer: Tokenizer | None = None) -> Train
             epochs,
             model,
             update,
-            lr_schedule(cfg, per_epoch),
-            StopPolicy.from_config(t),
+            lr_schedule(cfg.optim, t, cfg.model.d_model, per_epoch),
+            StopPolicy.from_config(t, cfg.validation),
             validator,
             progress,
-            Saver(run, cfg, tokenizer, run_id, t.keep_last, t.average_last, main),
+            Saver(run, cfg, tokenizer, run_id, saves.keep_last, saves.average_last, main),
             sinks,
-            LoopSettings(t.update_freq, t.log_every, t.valid_every, t.save_every),
+            LoopSettings(t.update_freq, t.log_every, cfg.validation.every, saves.every),
         )
         params = sum(p.numel() for p in model.parameters())
         sinks.write("start", progress.step, progress.epoch, parameters=params)

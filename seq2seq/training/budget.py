@@ -14,7 +14,7 @@ def planned_updates(t: TrainConfig, per_epoch: int) -> int:
     return min((n for n in (t.max_steps, t.max_epochs * per_epoch) if n), default=0)
 
 
-def plan_warnings(t: TrainConfig, pairs: int, per_epoch: int) -> list[str]:
+def plan_warnings(t: TrainConfig, pairs: int, per_epoch: int, warmup_steps: int = 0) -> list[str]:
     """One line for each limit that cuts the run short of another, or leaves the schedule in warm-up."""
     out = []
     epochs_end = t.max_epochs * per_epoch
@@ -24,9 +24,9 @@ def plan_warnings(t: TrainConfig, pairs: int, per_epoch: int) -> list[str]:
             f"before train.max_steps={t.max_steps}; train.max_epochs=0 is no epoch limit"
         )
     planned = planned_updates(t, per_epoch)
-    if planned and t.warmup_steps > planned / 2:
+    if planned and warmup_steps > planned / 2:
         out.append(
-            f"train.warmup_steps={t.warmup_steps} is more than half of the {planned} planned updates ({pairs} pairs, "
+            f"optim.warmup_steps={warmup_steps} is more than half of the {planned} planned updates ({pairs} pairs, "
             f"{per_epoch} updates an epoch at train.max_tokens={t.max_tokens}): the learning rate spends the run "
             "warming up"
         )

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from seq2seq.config import ExperimentConfig, TrainConfig
+from seq2seq.config import OptimConfig, TrainConfig
 
 
 def lr_at(step: int, schedule: str, lr: float, warmup: int, total_steps: int = 0, d_model: int = 512) -> float:
@@ -35,20 +35,19 @@ def lr_at(step: int, schedule: str, lr: float, warmup: int, total_steps: int = 0
     raise ValueError(f"unknown schedule {schedule!r}")
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, o: OptimConfig) -> torch.optim.Optimizer:
     # Second moments of rarely seen embeddings decay into denormal floats, which x86
     # CPUs process far slower; flushing them to zero changes nothing else.
     torch.set_flush_denormal(True)
     params = [p for p in model.parameters() if p.requires_grad]
-    kind = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
+    kind = torch.optim.AdamW if o.optimizer == "adamw" else torch.optim.Adam
     # The fused kernel updates each tensor in one pass (CPU and CUDA) instead of ~10 elementwise ops.
-    return kind(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, fused=True)
+    return kind(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, fused=True)
 
 
-def lr_schedule(cfg: ExperimentConfig, updates_per_epoch: int) -> Callable[[int], float]:
+def lr_schedule(o: OptimConfig, t: TrainConfig, d_model: int, updates_per_epoch: int) -> Callable[[int], float]:
     """The learning rate of each update of a run; the cosine ends at train.max_steps (or the last epoch's end)."""
-    t = cfg.train
     total = t.max_steps or updates_per_epoch * t.max_epochs
     return functools.partial(
-        lr_at, schedule=t.schedule, lr=t.lr, warmup=t.warmup_steps, total_steps=total, d_model=cfg.model.d_model
+        lr_at, schedule=o.schedule, lr=o.lr, warmup=o.warmup_steps, total_steps=total, d_model=d_model
     )

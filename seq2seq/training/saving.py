@@ -23,7 +23,7 @@ class Saver:
     config: ExperimentConfig  # recorded in every checkpoint, as the run was configured
     tokenizer: Tokenizer
     run_id: str
-    keep_last: int = 0  # step checkpoints kept; 0: all
+    keep_last: int = 0  # step checkpoints kept (checkpoint.keep_last); 0: all
     average_last: int = 0  # step checkpoints averaged at the end; 0: none
     main: bool = True
 
@@ -51,5 +51,5 @@ class Saver:
         paths = self.run.average_last(self.average_last, run_id=self.run_id)
         log.info("averaged %d checkpoints into %s", len(paths), self.run.average)
         if len(paths) < self.average_last:
-            log.warning("train.average_last=%d, but this run kept %d step checkpoints (train.keep_last=%d)",
+            log.warning("checkpoint.average_last=%d, but this run kept %d step checkpoints (checkpoint.keep_last=%d)",
                         self.average_last, len(paths), self.keep_last)  # fmt: skip

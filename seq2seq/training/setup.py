@@ -11,7 +11,16 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from seq2seq.checkpoint import Checkpoint, Progress
-from seq2seq.config import DataConfig, DecodeConfig, ExperimentConfig, ModelConfig, TrainConfig, config_changes, to_dict
+from seq2seq.config import (
+    DataConfig,
+    DecodeConfig,
+    ExperimentConfig,
+    ModelConfig,
+    OptimConfig,
+    TrainConfig,
+    config_changes,
+    to_dict,
+)
 from seq2seq.data import encode_corpus, read_parallel, read_split
 from seq2seq.device import resolve_device, resolve_precision
 from seq2seq.errors import TrainingError
@@ -130,7 +139,7 @@ def valid_text(d: DataConfig) -> tuple[tuple[list[str], list[str]], list[ValidPa
 
 
 def setup_model(
-    m: ModelConfig, optim: TrainConfig, seed: int, tokenizer: Tokenizer, device: torch.device, precision: str
+    m: ModelConfig, optim: OptimConfig, seed: int, tokenizer: Tokenizer, device: torch.device, precision: str
 ) -> tuple[Seq2SeqModel, torch.optim.Optimizer, torch.amp.GradScaler]:
     """A fresh model (the same initial weights on every rank), its optimizer and its gradient scaler."""
     torch.manual_seed(seed)
@@ -210,5 +219,5 @@ def check_resumable(resume: Checkpoint, cfg: ExperimentConfig, run: RunDirectory
         )
     with torch.device("meta"):  # the model and optimizer being resumed, without memory: refuse before any log
         model = build_model(cfg.model, resume.tokenizer.src_vocab_size, resume.tokenizer.tgt_vocab_size)
-    resume.check_resumable_into(build_optimizer(model, cfg.train), None, str(run.last))
+    resume.check_resumable_into(build_optimizer(model, cfg.optim), None, str(run.last))
     return [f"{key}: {old} -> {new}" for key, old, new in changes]

@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass
 
 from seq2seq.checkpoint import Progress
-from seq2seq.config import TrainConfig
+from seq2seq.config import TrainConfig, ValidationConfig
 
 log = logging.getLogger("seq2seq.train")
 
@@ -20,8 +20,8 @@ class StopPolicy:
     best_metric: str = "bleu"  # bleu (higher is better) or loss
 
     @classmethod
-    def from_config(cls, t: TrainConfig) -> StopPolicy:
-        return cls(t.max_epochs, t.max_steps, t.max_minutes, t.patience, t.best_metric)
+    def from_config(cls, t: TrainConfig, v: ValidationConfig) -> StopPolicy:
+        return cls(t.max_epochs, t.max_steps, t.max_minutes, v.patience, v.best_metric)
 
     def out_of_time(self, elapsed_seconds: float) -> bool:
         return bool(self.max_minutes) and elapsed_seconds >= 60 * self.max_minutes

@@ -28,7 +28,7 @@ import math
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from seq2seq.config import TrainConfig
+from seq2seq.config import OptimConfig, TrainConfig
 from seq2seq.data import Batch
 from seq2seq.device import autocast
 from seq2seq.errors import TrainingError
@@ -85,6 +85,7 @@ class UpdateStep:
     def from_config(
         cls,
         t: TrainConfig,
+        o: OptimConfig,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         scaler: torch.amp.GradScaler,
@@ -92,7 +93,7 @@ class UpdateStep:
         precision: str,
         ddp: DistributedDataParallel | None = None,
     ) -> UpdateStep:
-        """The update `train.*` describes, on the best attention kernel for training on `device` in `precision`."""
+        """The update `train.*` and `optim.*` describe, on the best attention kernel for `device` in `precision`."""
         kernel = training_kernel(device, precision)
         return cls(
             model,
@@ -101,9 +102,9 @@ class UpdateStep:
             device,
             precision,
             kernel,
-            t.label_smoothing,
-            t.rdrop_alpha,
-            t.clip_norm,
+            o.label_smoothing,
+            o.rdrop_alpha,
+            o.clip_norm,
             t.seed,
             t.max_bad_steps,
             ddp,
@@ -194,5 +195,5 @@ class UpdateStep:
         if self.bad_steps >= self.max_bad_steps:
             raise TrainingError(
                 f"training diverged: {self.bad_steps} updates in a row had a non-finite loss or gradients "
-                f"(at step {step}); lower train.lr, raise train.warmup_steps or clip with train.clip_norm"
+                f"(at step {step}); lower optim.lr, raise optim.warmup_steps or clip with optim.clip_norm"
             )

@@ -30,7 +30,7 @@ log = logging.getLogger("seq2seq")
 @dataclass(frozen=True)
 class RecipeOptions:
     """config: the YAML experiment file, overrides: its `section.key=value` settings; average: the k of the
-    last-k averages (None: train.average_last); no_download: use the corpus already in data.dir; seeds: one
+    last-k averages (None: checkpoint.average_last); no_download: use the corpus already in data.dir; seeds: one
     model per seed, in RUN/seedS, and test their ensemble; distill: train a student on the teacher's
     translations of the training source, with this config ("": the recipe's); distill_mix: the student
     trains on the original pairs too; distill_chunk: lines a saved chunk of the teacher's translation;

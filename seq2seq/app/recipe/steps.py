@@ -159,8 +159,8 @@ def _reusing(result: Translated, translations: list[str], skipped: bool) -> Tran
 
 
 def average_sizes(sizes: Sequence[int] | None, cfg: ExperimentConfig) -> list[int]:
-    """The k of the last-k averages: the recipe's (--average), or the config's train.average_last."""
+    """The k of the last-k averages: the recipe's (--average), or the config's checkpoint.average_last."""
     if sizes is not None:
         return list(sizes)
-    k = cfg.train.average_last
+    k = cfg.checkpoint.average_last
     return [k] if k > 0 else []

@@ -34,7 +34,7 @@ class StudentPlan:
     student: list[str]
     mix: bool
     chunk_lines: int
-    sizes: list[int] | None  # None: each config's train.average_last
+    sizes: list[int] | None  # None: each config's checkpoint.average_last
 
 
 def check_student(plan: StudentPlan, teacher: ExperimentConfig) -> None:
