@@ -129,3 +129,11 @@ def test_a_second_run_skips_the_finished_steps(tmp_path: Path, capsys: pytest.Ca
     more = json.loads((run_dir / "results.json").read_text(encoding="utf-8"))
     assert more["epochs"] == 3 and more["updates"] > results["updates"]
     assert "recipe: train: finished before" not in capsys.readouterr().err
+
+
+def test_a_training_that_fails_is_not_recorded(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Only a finished step is recorded: the next run trains again (a stopped one resumes from its checkpoint)."""
+    run_dir = tmp_path / "run"
+    assert main(["recipe", str(TINY), *tiny_overrides(tmp_path / "missing", run_dir), "--no-download"]) == 1
+    assert capsys.readouterr().err.endswith("seq2seq: error: `seq2seq train` exited with code 1; nothing was scored\n")
+    assert not (run_dir / STATE_FILE).exists() and not (run_dir / "results.json").exists()
