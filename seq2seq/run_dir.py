@@ -52,14 +52,11 @@ def step_number(path: Path) -> int | None:
     return int(digits) if path.name.startswith("checkpoint_step") and digits.isdigit() else None
 
 
-class RunDirectory:
+class RunLayout:
+    """Where each file of a run directory is, and which step checkpoints it holds: reading only."""
+
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._lock_file: IO[str] | None = None
-        self._log_handler: logging.Handler | None = None
-        self._saved_recorded = False  # whether this process has marked the run_id file `saved`
-
-    # Layout.
 
     @property
     def last(self) -> Path:
@@ -91,6 +88,39 @@ class RunDirectory:
 
     def step(self, step: int) -> Path:
         return self.path / f"checkpoint_step{step}.pt"
+
+    # Step checkpoints.
+
+    def step_checkpoints(self, run_id: str | None = None) -> list[Path]:
+        """`checkpoint_step{N}.pt` files, oldest first; with `run_id`, only that run's."""
+        numbered = [(n, p) for p in self.path.glob("checkpoint_step*.pt") if (n := step_number(p)) is not None]
+        paths = [p for _, p in sorted(numbered)]
+        if run_id is None:
+            return paths
+        return [p for p in paths if ckpt.peek_run_id(p) == run_id]
+
+    def current_run_id(self) -> str | None:
+        """The id of the run checkpoint_last belongs to (None without one)."""
+        return ckpt.peek_run_id(self.last) if self.last.exists() else None
+
+    def latest(self, k: int, run_id: str | None = None) -> list[Path]:
+        """The last `k` step checkpoints of a run (`run_id`, else checkpoint_last's), oldest first."""
+        if k < 1:
+            raise RunDirError(f"the number of checkpoints to average must be at least 1, got {k}")
+        paths = self.step_checkpoints(run_id if run_id is not None else self.current_run_id())[-k:]
+        if not paths:
+            raise RunDirError(f"{self.path} has no checkpoint_step*.pt files of its run to average")
+        return paths
+
+
+class RunDirectory(RunLayout):
+    """A run directory owned by a training process: its lock, its log file, the run's id, saving and pruning."""
+
+    def __init__(self, path: str | Path) -> None:
+        super().__init__(path)
+        self._lock_file: IO[str] | None = None
+        self._log_handler: logging.Handler | None = None
+        self._saved_recorded = False  # whether this process has marked the run_id file `saved`
 
     # Owning it for a run.
 
@@ -212,32 +242,11 @@ class RunDirectory:
             self._write_run_id_file(checkpoint.run_id, saved=True)
             self._saved_recorded = True
 
-    def step_checkpoints(self, run_id: str | None = None) -> list[Path]:
-        """`checkpoint_step{N}.pt` files, oldest first; with `run_id`, only that run's."""
-        numbered = [(n, p) for p in self.path.glob("checkpoint_step*.pt") if (n := step_number(p)) is not None]
-        paths = [p for _, p in sorted(numbered)]
-        if run_id is None:
-            return paths
-        return [p for p in paths if ckpt.peek_run_id(p) == run_id]
-
     def prune(self, keep: int, run_id: str) -> None:
         """Delete all but the `keep` newest step checkpoints of this run."""
         paths = self.step_checkpoints(run_id)
         for old in paths[: max(len(paths) - keep, 0)]:
             old.unlink(missing_ok=True)
-
-    def current_run_id(self) -> str | None:
-        """The id of the run checkpoint_last belongs to (None without one)."""
-        return ckpt.peek_run_id(self.last) if self.last.exists() else None
-
-    def latest(self, k: int, run_id: str | None = None) -> list[Path]:
-        """The last `k` step checkpoints of a run (`run_id`, else checkpoint_last's), oldest first."""
-        if k < 1:
-            raise RunDirError(f"the number of checkpoints to average must be at least 1, got {k}")
-        paths = self.step_checkpoints(run_id if run_id is not None else self.current_run_id())[-k:]
-        if not paths:
-            raise RunDirError(f"{self.path} has no checkpoint_step*.pt files of its run to average")
-        return paths
 
     def average_last(self, k: int, output: Path | None = None, run_id: str | None = None) -> list[Path]:
         """Average `latest(k, run_id)` into `output` (default: checkpoint_avg.pt); returns the files averaged."""
