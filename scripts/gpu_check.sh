@@ -5,7 +5,8 @@
 # 2. the quickstart config for $STEPS updates (default 300) in each of $PRECISIONS (default fp32, bf16 and
 #    fp16 with its gradient scaler) on CUDA, with the median training tok/s of each;
 # 3. `seq2seq train` against its own update step on the same batches (scripts/bench_train.py --compare trainer)
-#    with the model FLOPs utilisation, for the quickstart, the en-de recipe and a 6+6 d512 shape, fp32 and bf16;
+#    with the model FLOPs utilisation, for the quickstart, the en-de recipe and a 6+6 d512 shape, fp32 and bf16,
+#    and the quickstart (fp32) and the 6+6 shape (bf16) with train.compile in its default and CUDA-graph modes;
 #    then translate and evaluate of the fp32 run on CUDA, and serve answering one request on CUDA;
 # 4. the whole test suite last, since it is the longest and mostly runs on the CPU.
 # Everything is written to $OUT (default runs/gpu_check); the summary is $OUT/summary.txt.
@@ -75,6 +76,13 @@ for precision in fp32 bf16; do
   bench_trainer "quickstart_$precision" --config configs/quickstart.yaml --set "train.precision=$precision"
   bench_trainer "en_de_$precision" --config configs/m30k_en_de.yaml --set "train.precision=$precision"
   bench_trainer "base_$precision" --config configs/quickstart.yaml --set "train.precision=$precision" "${BASE[@]}"
+done
+# train.compile: bounded batch shapes, a graph each (compile times in the log); CUDA graphs with reduce-overhead
+for mode in default reduce-overhead; do
+  bench_trainer "quickstart_fp32_compile_$mode" --config configs/quickstart.yaml --set train.precision=fp32 \
+    "train.compile=$mode"
+  bench_trainer "base_bf16_compile_$mode" --config configs/quickstart.yaml --set train.precision=bf16 \
+    "train.compile=$mode" "${BASE[@]}"
 done
 
 note "== translate / evaluate / serve on CUDA"

@@ -109,7 +109,7 @@ def assemble(cfg: ExperimentConfig, tokenizer: Tokenizer | None = None) -> Train
     with contextlib.ExitStack() as undo:
         undo.callback(dist.teardown)
         undo.callback(run.release)
-        device, precision = setup_device(t)  # joins the process group under torchrun
+        device, precision = setup_device(t, cfg.model.d_model)  # joins the process group under torchrun
         main = dist.is_main()
         resume, changes, parent = setup_run_dir(run, cfg, main)
         run_id = resume.run_id if resume else run.fresh_run_id(record=main)

@@ -43,10 +43,10 @@ FIXED_ON_RESUME = ("data.", "model.")
 FREE_ON_RESUME = ("data.test", "data.prepared_dir")
 
 
-def setup_device(t: TrainConfig) -> tuple[torch.device, str]:
-    """Device, precision, threads, determinism and (under torchrun) the process group."""
+def setup_device(t: TrainConfig, width: int) -> tuple[torch.device, str]:
+    """Device, precision (for a model of `width`), threads, determinism and (under torchrun) the process group."""
     device = resolve_device(t.device)
-    precision = resolve_precision(t.precision, device)
+    precision = resolve_precision(t.precision, device, width)
     if t.threads:
         torch.set_num_threads(t.threads)
     dist.setup(device)
