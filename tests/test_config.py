@@ -393,6 +393,7 @@ def test_checkpoints_storing_the_old_train_keys_load_migrated(tmp_path: Path, ca
     raw["config"]["train"] = old_train
     raw["sha256"] = ckpt.content_hash(raw)
     torch.save(raw, tmp_path / "old.pt")
+    caplog.clear()  # the reads above note too where an earlier test left seq2seq's loggers at INFO
     with caplog.at_level(logging.INFO, logger="seq2seq.config"):
         cfg = ckpt.read(tmp_path / "old.pt").config
     assert (cfg.optim.lr, cfg.validation.bleu, cfg.checkpoint.keep_last, cfg.checkpoint.every) == (0.002, False, 3, 7)
