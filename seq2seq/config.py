@@ -703,7 +703,7 @@ def config_changes(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -
 
 def from_dict(raw: dict[str, Any], source: str = "<dict>") -> ExperimentConfig:
     """Build and validate a config from a nested dict (e.g. one stored in a checkpoint)."""
-    raw = migrate_train(raw, source, note=logging.INFO)  # a stored config cannot be rewritten: a note, no warning
+    raw = migrate_train(raw, source, stored=True)
     if isinstance(raw.get("model"), dict):
         raw["model"] = _architecture_sections(migrate_model(raw["model"], source), source)
     return _build(ExperimentConfig, raw, source, prefix="")
@@ -737,15 +737,16 @@ MOVED_TRAIN_KEYS = {
 }
 
 
-def _moved_note(source: str, old: list[str], level: int) -> None:
+def _moved_note(source: str, old: list[str]) -> None:
     moved = ", ".join(f"train.{key} is now {MOVED_TRAIN_KEYS[key]}" for key in old)
-    log.log(level, "%s: %s (the old keys are still read; write the new ones)", source, moved)
+    log.warning("%s: %s (the old keys are still read; write the new ones)", source, moved)
 
 
-def migrate_train(raw: dict[str, Any], source: str, note: int = logging.WARNING) -> dict[str, Any]:
+def migrate_train(raw: dict[str, Any], source: str, stored: bool = False) -> dict[str, Any]:
     """A config dict with the settings that moved out of `train` (MOVED_TRAIN_KEYS) at their new place, and
-    one line in the log (at level `note`) naming them. Today's layout comes back unchanged; a setting given
-    under both names is refused."""
+    one line in the log: a warning naming each old key for a config someone can rewrite, a short note for one
+    `stored` in a checkpoint or an export (every one written before the move). Today's layout comes back
+    unchanged; a setting given under both names is refused."""
     train = raw.get("train")
     old = [key for key in train if key in MOVED_TRAIN_KEYS] if isinstance(train, dict) else []
     if not old:
@@ -762,7 +763,10 @@ def migrate_train(raw: dict[str, Any], source: str, note: int = logging.WARNING)
                 f"{source}: train.{key} is the old name of {section}.{name}, and both are given: keep {section}.{name}"
             )
         out[section] = {**(target or {}), name: train[key]}
-    _moved_note(source, old, note)
+    if stored:
+        log.info("%s: written with %d settings at their old train.* keys, read at their new ones", source, len(old))
+    else:
+        _moved_note(source, old)
     return out
 
 
@@ -771,7 +775,7 @@ def migrate_override(key: str) -> str:
     section, _, name = key.partition(".")
     if section != "train" or name not in MOVED_TRAIN_KEYS:
         return key
-    _moved_note("command line", [name], logging.WARNING)
+    _moved_note("command line", [name])
     return MOVED_TRAIN_KEYS[name]
 
 
