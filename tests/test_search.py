@@ -19,6 +19,7 @@ from torch import Tensor
 
 from seq2seq.config import DecodeConfig
 from seq2seq.model import AttentionRecord
+from seq2seq import search as search_module
 from seq2seq.search import (
     NEG_INF,
     beam_search,
@@ -41,7 +42,7 @@ Script = Callable[[int, tuple[int, ...]], dict[int, float]]
 """(sentence id, tokens so far without BOS) -> next-token probabilities (missing tokens: 0)."""
 
 
-class FakeCache:
+class FakeSession:
     """Rows of (sentence id, prefix); checks that `reorder` never moves a row to another sentence."""
 
     def __init__(self, model: ScriptedModel, sentences: list[int]) -> None:
@@ -64,7 +65,7 @@ class FakeCache:
         self.calls.append(("select", len(rows)))
 
     def step(self, tokens: Tensor) -> Tensor:
-        return self.model.decode_step(tokens, self)
+        return self.model.scripted_step(tokens, self)
 
 
 class ScriptedModel:
@@ -74,16 +75,16 @@ class ScriptedModel:
         self.script = script
         self.vocab = vocab
         self.fed: list[tuple[int, tuple[int, ...]]] = []  # every (sentence, prefix) the decoder was run on
-        self.caches: list[FakeCache] = []
+        self.caches: list[FakeSession] = []  # every session started
         self.encoded = 0
 
-    def start(self, src: Tensor, src_pad_mask: Tensor, need_attention: bool = False) -> FakeCache:
+    def start(self, src: Tensor, src_pad_mask: Tensor, need_attention: bool = False) -> FakeSession:
         self.encoded += 1
         memory = src.float()[:, :, None]  # (B, S, 1): stands in for the encoder output
-        self.caches.append(FakeCache(self, memory[:, 0, 0].long().tolist()))
+        self.caches.append(FakeSession(self, memory[:, 0, 0].long().tolist()))
         return self.caches[-1]
 
-    def decode_step(self, tokens: Tensor, cache: FakeCache) -> Tensor:
+    def scripted_step(self, tokens: Tensor, cache: FakeSession) -> Tensor:
         assert tokens.shape == (len(cache.sentences), 1)
         logits = torch.full((len(cache.sentences), self.vocab), NEG_INF)
         for row, (sentence, prefix, token) in enumerate(zip(cache.sentences, cache.prefixes, tokens[:, 0].tolist())):
@@ -463,3 +464,63 @@ def test_beam_one_is_greedy_and_the_batch_does_not_matter_for_every_architecture
             (alone,) = search(model, src[i : i + 1, :n], mask[i : i + 1, :n], wide, 31)
             assert [h.tokens for h in alone] == [h.tokens for h in together[i]]
             assert [h.score for h in alone] == pytest.approx([h.score for h in together[i]], abs=1e-4)
+
+
+# The stopping rule: a sentence stops only when no live hypothesis can still beat its K-th best finished one.
+
+# A EOS and B EOS finish first (two of a beam of two), but A C C C EOS, which the beam still holds, scores
+# better under alpha = 1: log .16 / (10 / 6) = -1.10 against log .24 / (7 / 6) = -1.22. Stopping once K
+# hypotheses have finished (fairseq's and CTranslate2's rule) returns A EOS.
+LATE_BEST = {
+    (): {A: 0.4, B: 0.35, EOS: 0.25},
+    (A,): {EOS: 0.6, C: 0.4},
+    (B,): {EOS: 0.55, D: 0.45},
+    (A, C): {C: 1.0},
+    (B, D): {EOS: 1.0},
+    (A, C, C): {C: 1.0},
+    (A, C, C, C): {EOS: 1.0},
+}
+
+
+def test_beam_search_finds_a_better_hypothesis_after_k_have_finished() -> None:
+    (best, second) = run(scripted(LATE_BEST), cfg(beam_size=2, nbest=2, length_penalty=1.0), "beam")[0]
+    assert best == ((A, C, C, C, EOS), pytest.approx(logp(0.4, 0.4) / (10 / 6)))
+    assert second == ((A, EOS), pytest.approx(logp(0.4, 0.6) / (7 / 6)))
+
+
+def never_stopping(scores: Tensor, kth: Tensor, step: int, max_len: Tensor, alpha: float) -> Tensor:
+    """The reference rule: a sentence searches on while it has a live hypothesis (EOS is forced at max_len)."""
+    return torch.isfinite(scores).any(dim=1)
+
+
+@pytest.mark.parametrize("alpha", [-0.5, 0.0, 0.6, 1.0, 2.0])
+@pytest.mark.parametrize("beam", [2, 3])
+def test_stopping_early_never_loses_what_the_beam_would_find_by_max_len(
+    alpha: float, beam: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Random distributions, four sentences a batch: the K best hypotheses are those of the same beam run
+    until every live hypothesis reached max_len."""
+    decode = cfg(beam_size=beam, nbest=beam, length_penalty=alpha, max_len=7, max_len_b=7)
+    for seed in range(12):
+        script = random_script(seed, words=3, eos=0.15)
+        exact = run(script, decode, "beam", n_sentences=4)
+        with monkeypatch.context() as patch:
+            patch.setattr(search_module, "still_searching", never_stopping)
+            full = run(script, decode, "beam", n_sentences=4)
+        for got, want in zip(exact, full, strict=True):
+            assert [s for _, s in got] == pytest.approx([s for _, s in want], abs=1e-5)
+            assert got[0][0] == want[0][0] or got[0][1] == pytest.approx(want[0][1], abs=1e-6)
+
+
+def test_the_stopping_rule_holds_on_a_trained_model(
+    tiny: tuple[torch.nn.Module, Tensor, Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, src, mask = tiny
+    for alpha in (0.0, 1.0, 2.0):
+        decode = DecodeConfig(strategy="beam", beam_size=4, nbest=4, length_penalty=alpha, max_len=40)
+        exact = search(model, src, mask, decode, 100)
+        with monkeypatch.context() as patch:
+            patch.setattr(search_module, "still_searching", never_stopping)
+            full = search(model, src, mask, decode, 100)
+        for got, want in zip(exact, full, strict=True):
+            assert [h.score for h in got] == pytest.approx([h.score for h in want], abs=1e-4)
