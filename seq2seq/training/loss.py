@@ -98,13 +98,8 @@ def symmetric_kl(logits_p: Tensor, logits_q: Tensor) -> Tensor:
     return _SymmetricKL.apply(logits_p.float().contiguous(), logits_q.float().contiguous())
 
 
-def batch_loss(
-    model: torch.nn.Module, batch: Batch, epsilon: float, rdrop_alpha: float = 0.0, whole: bool = False
-) -> tuple[Tensor, Tensor]:
+def batch_loss(model: torch.nn.Module, batch: Batch, epsilon: float, rdrop_alpha: float = 0.0) -> tuple[Tensor, Tensor]:
     """Teacher-forced summed (smoothed loss, nll) of a batch, scoring only real target tokens.
-
-    The model projects only the real target positions to the vocabulary, or with `whole` (a compiled
-    model, whose shapes must not depend on the data) every position, the real ones picked after.
 
     With `rdrop_alpha` > 0 in training, R-Drop (Liang et al., 2021): the batch
     goes through the model twice in one call, under two dropout masks, and
@@ -114,14 +109,10 @@ def batch_loss(
     """
     keep = batch.tgt_out != PAD  # (B, T)
     target = batch.tgt_out[keep]  # (N,)
-
-    def logits_at(src: Tensor, src_pad_mask: Tensor, tgt_in: Tensor, keep: Tensor) -> Tensor:  # (N, V)
-        return model(src, src_pad_mask, tgt_in)[keep] if whole else model(src, src_pad_mask, tgt_in, keep)
-
     if rdrop_alpha <= 0 or not model.training:
-        logits = logits_at(batch.src, batch.src_pad_mask, batch.tgt_in, keep)  # (N, V)
+        logits = model(batch.src, batch.src_pad_mask, batch.tgt_in, keep)  # (N, V)
         return label_smoothed_loss(logits, target, epsilon)
     twice = [torch.cat([t, t]) for t in (batch.src, batch.src_pad_mask, batch.tgt_in, keep)]
-    logits = logits_at(*twice).float()  # (2N, V): the first copy's positions, then the second's; fp32 once for both
+    logits = model(*twice).float()  # (2N, V): the first copy's positions, then the second's; fp32 once for both terms
     loss, nll = label_smoothed_loss(logits, torch.cat([target, target]), epsilon)
     return loss / 2 + rdrop_alpha / 4 * symmetric_kl(*logits.chunk(2)), nll / 2

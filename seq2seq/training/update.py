@@ -48,10 +48,10 @@ def micro_batch_seed(seed: int, step: int, index: int) -> int:
 class Compiled(torch.nn.Module):
     """A model's training forward pass through `torch.compile`, one graph per batch shape.
 
-    Batches come padded to a bounded set of shapes (`seq2seq.data.bounded_shape`), and the whole
-    (B, T, V) logits are computed: selecting the real target positions inside the graph would give it
-    a shape that changes every batch. Dynamo's limit of graphs per function is raised to cover the
-    bounded set; `graphs()` counts the graphs built for it.
+    Batches come padded to a bounded set of shapes (`seq2seq.data.bounded_shape`), and the graph computes
+    the logits of every position, (B, T, V); the real target positions are selected after it, since
+    selecting them inside would give the graph a shape that changes every batch. Dynamo's limit of graphs
+    per function is raised to cover the bounded set; `graphs()` counts the graphs built for it.
 
     Off by default: on a 2-core AMD EPYC CPU (avx512_bf16) Inductor took 83 s for the quickstart model's
     first update against 0.8 s eager, 15-50 s for each later shape, and the Multi30k batches of one epoch
@@ -66,8 +66,12 @@ class Compiled(torch.nn.Module):
         self.forward_pass = torch.compile(model, mode=mode, dynamic=False)
         self.graphs_before = self._built()
 
-    def forward(self, src: torch.Tensor, src_pad_mask: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
-        return self.forward_pass(src, src_pad_mask, tgt_in)
+    def forward(
+        self, src: torch.Tensor, src_pad_mask: torch.Tensor, tgt_in: torch.Tensor, select: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The model's teacher-forced logits: (B, T, V), or (N, V) at the `select`ed positions."""
+        logits = self.forward_pass(src, src_pad_mask, tgt_in)  # (B, T, V)
+        return logits if select is None else logits[select]
 
     def graphs(self) -> int:
         """Graphs built since this model was compiled (a graph break would count as one more)."""
@@ -201,9 +205,7 @@ class UpdateStep:
             last = i == len(batches) - 1
             with contextlib.nullcontext() if self.ddp is None or last else self.ddp.no_sync():
                 with autocast(self.precision, self.device), kernel_scope(self.attention_kernel):
-                    loss, nll = batch_loss(
-                        model, batch.to(self.device), self.label_smoothing, self.rdrop_alpha, whole=bool(self.compiled)
-                    )
+                    loss, nll = batch_loss(model, batch.to(self.device), self.label_smoothing, self.rdrop_alpha)
                 self.scaler.scale(loss * scale).backward()
             loss_sum += loss.detach()
             nll_sum += nll.detach()
