@@ -305,25 +305,33 @@ def beam_step(scores: Tensor, logprobs: Tensor, beam_size: int = 0) -> BeamStep:
 class Finished:
     """Finished hypotheses, kept as tensors step by step and turned into `Hypothesis` objects once, at the end.
 
-    At most K per sentence, in the order they finish (best first within a step).
+    Every EOS extension a step ranks among its top K is kept, in the order they finish (best first within
+    a step); `kth` is each sentence's K-th best length-normalised score so far, which the stopping rule
+    (`still_searching`) compares the live hypotheses against.
     """
 
-    def __init__(self, n_sentences: int, beam_size: int, device: torch.device) -> None:
-        self.K = beam_size
-        self.count = torch.zeros(n_sentences, dtype=torch.long, device=device)  # per searching sentence
+    def __init__(self, n_sentences: int, beam_size: int, alpha: float, device: torch.device) -> None:
+        self.K, self.alpha = beam_size, alpha
+        self.best = torch.full((n_sentences, beam_size), NEG_INF, device=device)  # (B, K) best scores, best first
         self.found: list[tuple[Tensor, Tensor, Tensor]] = []  # (sentence (M,), tokens (M, n), scores (M, n))
 
+    @property
+    def kth(self) -> Tensor:
+        """(B,) each searching sentence's K-th best normalised score; -inf until K have finished."""
+        return self.best[:, -1]
+
     def collect(self, out: BeamStep, sentence: Tensor, history: Tensor, step_scores: Tensor, logprobs: Tensor) -> None:
-        """Keep this step's EOS extensions while their sentence has fewer than K.
+        """Keep this step's EOS extensions.
 
         sentence: (B,) batch index of each searching sentence; history (N, step + 1)
         and step_scores (N, step): each row's tokens (BOS first) and their log-probabilities.
         """
-        taken = out.finishing & (self.count[:, None] + out.finishing.cumsum(dim=1) <= self.K)  # (B, 2K)
-        self.count += taken.sum(dim=1)
-        rows = out.eos_rows[taken[out.finishing]]  # (M,)
+        rows = out.eos_rows  # (M,)
         if rows.numel() == 0:
             return
+        normalised = torch.full(out.finishing.shape, NEG_INF, device=self.best.device)  # (B, 2K)
+        normalised[out.finishing] = out.eos_scores / length_penalty(history.shape[1], self.alpha)  # EOS included
+        self.best = torch.cat([self.best, normalised], dim=1).topk(self.K, dim=1).values
         eos = torch.full((rows.shape[0], 1), EOS, dtype=history.dtype, device=history.device)
         tokens = torch.cat([history[rows, 1:], eos], dim=1)
         scores = torch.cat([step_scores[rows], logprobs[rows, EOS][:, None]], dim=1)
@@ -331,7 +339,7 @@ class Finished:
 
     def drop(self, keep: Tensor) -> None:
         """Follow the searching sentences when some stop: keep (B',) their indices."""
-        self.count = self.count[keep]
+        self.best = self.best[keep]
 
     def hypotheses(self, n_sentences: int, alpha: float) -> list[list[Hypothesis]]:
         """Each sentence's finished hypotheses, in the order they finished. Scores are recomputed from the
@@ -366,7 +374,7 @@ def beam_search(
     scores = torch.zeros(B, 1, device=device)  # (B, rows per sentence)
     history = torch.full((B, 1), BOS, dtype=torch.long, device=device)  # (N, step + 1)
     step_scores = torch.zeros(B, 0, device=device)  # (N, step)
-    finished = Finished(B, K, device)
+    finished = Finished(B, K, cfg.length_penalty, device)
     for step in itertools.count():  # ends: EOS is forced once step reaches max_len
         interrupt.check_cancelled()
         logits = session.step(history[:, -1:])  # (N, V)
@@ -379,7 +387,7 @@ def beam_search(
         step_scores = torch.cat([step_scores[rows], logprobs[rows, tokens][:, None]], dim=1)
         expanding = scores.shape[1] != K
         scores, max_len = out.next_scores, max_len[rows]
-        searching = (finished.count < K) & torch.isfinite(scores).any(dim=1)  # (B,)
+        searching = still_searching(scores, finished.kth, step, max_len.view(scores.shape), cfg.length_penalty)
         if not searching.any():
             break
         stopped = follow_hypotheses(session, rows, searching, expanding, K)
@@ -391,6 +399,32 @@ def beam_search(
         finished.drop(keep)
     hypotheses = finished.hypotheses(B, cfg.length_penalty)
     return [sorted(hyps, key=lambda h: -h.score)[: cfg.nbest] for hyps in hypotheses]
+
+
+def still_searching(scores: Tensor, kth: Tensor, step: int, max_len: Tensor, alpha: float) -> Tensor:
+    """(B,) whether a sentence's live hypotheses can still finish above its K-th best finished one.
+
+    The stopping rule, exact under any length penalty: a live hypothesis's summed log-probability
+    `scores` (B, K) can only fall (each token adds log p <= 0), so its final score is at most that sum
+    divided by the largest length penalty among the lengths it can still end with: from step + 2 tokens
+    with EOS (it ends at the next step) to max_len (B, K) + 1 (EOS forced), the longest for alpha > 0,
+    the shortest for alpha < 0. A sentence stops when no live hypothesis's bound beats its K-th best
+    finished score: the search never returns a worse list than the same beam running to max_len would.
+
+    A beam of one is greedy search by definition, as in CTranslate2: it stops at its first EOS.
+    (fairseq and CTranslate2 stop a sentence once K hypotheses have finished, and Hugging Face's
+    `early_stopping=False` bounds the live ones at their current length, not the longest: with a
+    length penalty that grows with length, each can stop before a better hypothesis its beam would
+    still find; tests/test_search.py has such a case.)
+    """
+    live = torch.isfinite(scores).any(dim=1)
+    if scores.shape[1] == 1:
+        return live & ~torch.isfinite(kth)
+    shortest = float(length_penalty(step + 2, alpha))
+    longest = length_penalty(max_len.float() + 1, alpha)
+    assert isinstance(longest, Tensor)
+    bound = (scores / torch.clamp(longest, min=shortest)).max(dim=1).values  # scores <= 0: divide by the largest
+    return live & (bound > kth)
 
 
 def follow_hypotheses(

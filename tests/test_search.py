@@ -17,9 +17,9 @@ import pytest
 import torch
 from torch import Tensor
 
+from seq2seq import search as search_module
 from seq2seq.config import DecodeConfig
 from seq2seq.model import AttentionRecord
-from seq2seq import search as search_module
 from seq2seq.search import (
     NEG_INF,
     beam_search,
