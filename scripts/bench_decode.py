@@ -1,6 +1,9 @@
 """Decoding speed: sentences/s for greedy and beam search, one setting against its baseline, or engines side by side.
 
 `--compare cache` (the default) times the key/value cache against no cache;
+`--compare beam-stop` times beam search's exact stopping rule against stopping
+once K hypotheses have finished (`decode.beam_stop`), and counts the sentences
+whose best hypothesis differs;
 `--compare compile` times the decoding step compiled with `torch.compile`
 (dynamic shapes) against the eager step, and prints each one's first call;
 `--compare attention` times PyTorch's math attention kernel, which training
@@ -35,6 +38,7 @@ the checkpoint's vocabulary, every hypothesis forced to --shape-length tokens):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -103,7 +107,17 @@ def compiled_search(model: Any, *args: Any, **kwargs: Any) -> Any:
     return search(_compiled[id(model)], *args, **kwargs)
 
 
+def stopping(rule: str) -> SearchFn:
+    """`search` with `decode.beam_stop` set to `rule`, for `--compare beam-stop`."""
+
+    def search_with(model: Any, src: torch.Tensor, src_pad_mask: torch.Tensor, cfg: Any, *args: Any) -> Any:
+        return search(model, src, src_pad_mask, dataclasses.replace(cfg, beam_stop=rule), *args)
+
+    return search_with
+
+
 COMPARISONS: dict[str, tuple[Setting, Setting]] = {
+    "beam-stop": (("exact", stopping("exact"), None), ("first_k", stopping("first_k"), None)),
     "cache": (("cached", search, None), ("uncached", uncached_search, None)),
     "attention": (("math", search, SDPBackend.MATH), ("flash", search, SDPBackend.FLASH_ATTENTION)),
     "compile": (("compiled", compiled_search, None), ("eager", search, None)),

@@ -595,6 +595,12 @@ class DecodeConfig(Section):
         min=-MAX_LENGTH_PENALTY,
         max=MAX_LENGTH_PENALTY,
     )
+    beam_stop: Literal["exact", "first_k"] = setting(
+        "exact",
+        "when beam search stops a sentence: `exact` once none of its live hypotheses can beat its K-th best "
+        "finished one (the best the beam can find; under a length penalty that grows with length it searches "
+        "longer), `first_k` once K have finished (fairseq's rule: faster, can miss a longer, better hypothesis)",
+    )
     max_len_a: float = setting(
         1.5,
         "tokens allowed before EOS: floor(a * source length + b), the source length in subwords with its EOS",

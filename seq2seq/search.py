@@ -387,7 +387,8 @@ def beam_search(
         step_scores = torch.cat([step_scores[rows], logprobs[rows, tokens][:, None]], dim=1)
         expanding = scores.shape[1] != K
         scores, max_len = out.next_scores, max_len[rows]
-        searching = still_searching(scores, finished.kth, step, max_len.view(scores.shape), cfg.length_penalty)
+        exact = cfg.beam_stop == "exact"
+        searching = still_searching(scores, finished.kth, step, max_len.view(scores.shape), cfg.length_penalty, exact)
         if not searching.any():
             break
         stopped = follow_hypotheses(session, rows, searching, expanding, K)
@@ -401,8 +402,9 @@ def beam_search(
     return [sorted(hyps, key=lambda h: -h.score)[: cfg.nbest] for hyps in hypotheses]
 
 
-def still_searching(scores: Tensor, kth: Tensor, step: int, max_len: Tensor, alpha: float) -> Tensor:
-    """(B,) whether a sentence's live hypotheses can still finish above its K-th best finished one.
+def still_searching(scores: Tensor, kth: Tensor, step: int, max_len: Tensor, alpha: float, exact: bool) -> Tensor:
+    """(B,) whether a sentence's live hypotheses can still finish above its K-th best finished one
+    (`exact`, `decode.beam_stop: exact`), or whether fewer than K have finished (`first_k`).
 
     The stopping rule, exact under any length penalty: a live hypothesis's summed log-probability
     `scores` (B, K) can only fall (each token adds log p <= 0), so its final score is at most that sum
@@ -418,7 +420,7 @@ def still_searching(scores: Tensor, kth: Tensor, step: int, max_len: Tensor, alp
     still find; tests/test_search.py has such a case.)
     """
     live = torch.isfinite(scores).any(dim=1)
-    if scores.shape[1] == 1:
+    if scores.shape[1] == 1 or not exact:
         return live & ~torch.isfinite(kth)
     shortest = float(length_penalty(step + 2, alpha))
     longest = length_penalty(max_len.float() + 1, alpha)

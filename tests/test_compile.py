@@ -30,7 +30,7 @@ from seq2seq.training.trainer import train
 from seq2seq.training.update import Compiled
 from seq2seq.vocab import PAD
 
-FAST = ("train.valid_bleu=false", "train.max_tokens=256", "train.max_epochs=1000", "train.threads=1")
+FAST = ("validation.bleu=false", "train.max_tokens=256", "train.max_epochs=1000", "train.threads=1")
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +123,7 @@ def test_bounded_epochs_hold_the_same_pairs_in_the_bounded_shapes(small: Path, t
 def test_a_compiled_run_resumes_exactly(small: Path, tmp_path: Path, aot_eager: None) -> None:
     """Dropout on (padded shapes draw their own masks), stopped mid-epoch, across an epoch end: the compiled run
     resumes to the weights of its uninterrupted twin."""
-    compiled = ("model.dropout=0.2", "model.transformer.attention_dropout=0.1", "train.warmup_steps=4")
+    compiled = ("model.dropout=0.2", "model.transformer.attention_dropout=0.1", "optim.warmup_steps=4")
     compiled += ("train.compile=default",)
     whole = train(config(small, tmp_path / "whole", *compiled, "train.max_steps=20"))
     train(config(small, tmp_path / "part", *compiled, "train.max_steps=5"))
@@ -140,7 +140,7 @@ def test_a_compiled_run_resumes_exactly(small: Path, tmp_path: Path, aot_eager: 
 def test_without_dropout_a_compiled_run_trains_as_the_eager_one(small: Path, tmp_path: Path, aot_eager: None) -> None:
     """Padding and whole logits change no real token's loss: the same loss at every update, within rounding
     (weights drift further: Adam's first steps move a near-zero gradient by about lr whatever its size)."""
-    settings = ("model.dropout=0", "train.warmup_steps=4", "train.max_steps=8", "train.log_every=1")
+    settings = ("model.dropout=0", "optim.warmup_steps=4", "train.max_steps=8", "train.log_every=1")
     train(config(small, tmp_path / "eager", *settings))
     train(config(small, tmp_path / "compiled", *settings, "train.compile=default"))
     eager, compiled = ([r["loss"] for r in read_metrics(tmp_path / n / "metrics.jsonl") if r["event"] == "train"]

@@ -486,9 +486,11 @@ def test_beam_search_finds_a_better_hypothesis_after_k_have_finished() -> None:
     (best, second) = run(scripted(LATE_BEST), cfg(beam_size=2, nbest=2, length_penalty=1.0), "beam")[0]
     assert best == ((A, C, C, C, EOS), pytest.approx(logp(0.4, 0.4) / (10 / 6)))
     assert second == ((A, EOS), pytest.approx(logp(0.4, 0.6) / (7 / 6)))
+    early = run(scripted(LATE_BEST), cfg(beam_size=2, nbest=2, length_penalty=1.0, beam_stop="first_k"), "beam")
+    assert [tokens for tokens, _ in early[0]] == [(A, EOS), (B, EOS)]  # stopped once two had finished
 
 
-def never_stopping(scores: Tensor, kth: Tensor, step: int, max_len: Tensor, alpha: float) -> Tensor:
+def never_stopping(scores: Tensor, kth: Tensor, step: int, max_len: Tensor, alpha: float, exact: bool) -> Tensor:
     """The reference rule: a sentence searches on while it has a live hypothesis (EOS is forced at max_len)."""
     return torch.isfinite(scores).any(dim=1)
 
