@@ -382,7 +382,7 @@ class TransformerConfig(Section):
     activation_dropout: float = setting(
         0.0, "dropout inside the feed-forward block (4x wider, so 4x the RNG cost)", min=0, below=1
     )
-    activation: Literal["relu", "gelu"] = setting("relu", "activation of the feed-forward block")
+    activation: Literal["relu", "gelu", "swish"] = setting("relu", "activation of the feed-forward block")
     norm: Literal["post", "pre"] = setting(
         "pre", "`post`: x = LN(x + F(x)), the 2017 paper; `pre`: x = x + F(LN(x)), with a final LN"
     )
@@ -395,6 +395,10 @@ class TransformerConfig(Section):
     max_relative_distance: int = setting(
         16, "`positions: relative` clips distances to [-k, k]", min=1, limit=MAX_POSITIONS
     )
+    scale_embedding: bool = setting(
+        True, "token embeddings multiplied by sqrt(`model.d_model`) (false: some imported Marian models)"
+    )
+    output_bias: bool = setting(False, "a bias on the output projection (an imported Marian model's logits bias)")
 
 
 @dataclass(frozen=True)

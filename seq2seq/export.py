@@ -120,10 +120,10 @@ def _converter(ctranslate2: Any, spec: Any) -> Any:
 def _spec(specs: Any, stored: Checkpoint, model: Seq2SeqTransformer) -> Any:
     t = stored.config.model.transformer
     assert t is not None, "_check_exportable refuses other architectures"
-    gelu, relu = specs.common_spec.Activation.GELU, specs.common_spec.Activation.RELU
+    activations = specs.common_spec.Activation
     options = {
         "pre_norm": t.norm == "pre",
-        "activation": gelu if t.activation == "gelu" else relu,
+        "activation": {"gelu": activations.GELU, "swish": activations.SWISH}.get(t.activation, activations.RELU),
         "rms_norm": t.norm_type == "rmsnorm",
         **_position_options(model),
     }
@@ -197,7 +197,7 @@ def _set_embedding(spec: Any, module: Encoder | Decoder) -> None:
     embedding = module.embedding
     embeddings = spec.embeddings[0] if isinstance(spec.embeddings, list) else spec.embeddings  # the encoder: a list
     embeddings.weight = _array(embedding.tokens.weight)
-    spec.scale_embeddings = True  # sqrt(d_model), as Embedding does
+    spec.scale_embeddings = embedding.scale != 1.0  # sqrt(d_model), as Embedding does (unless told not to)
     table = embedding.positions.weight if embedding.positions is not None else embedding.table
     if table is not None:  # rope and relative positions live in self-attention instead
         spec.position_encodings.encodings = _array(table)
@@ -245,4 +245,4 @@ def _set_decoder(spec: Any, decoder: Decoder) -> None:
         _set_ffn(layer_spec.ffn, layer.ffn, layer.ffn_block.norm)
     if isinstance(decoder.final_norm, NORMS):
         _set_norm(spec.layer_norm, decoder.final_norm)
-    _set_linear(spec.projection, decoder.output.weight, None)
+    _set_linear(spec.projection, decoder.output.weight, decoder.output.bias)

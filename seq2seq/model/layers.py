@@ -45,7 +45,9 @@ class FeedForward(nn.Module):
         super().__init__()
         self.fc1 = nn.Linear(d_model, d_ff)
         self.fc2 = nn.Linear(d_ff, d_model)
-        self.activation = F.gelu if activation == "gelu" else F.relu
+        self.activation: Callable[..., Tensor] = F.relu
+        if activation in ("gelu", "swish"):  # swish: x * sigmoid(x), SiLU (Marian's)
+            self.activation = F.gelu if activation == "gelu" else F.silu
         self.dropout = Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:

@@ -295,12 +295,17 @@ def build_transformer(cfg: ModelConfig, src_vocab_size: int, tgt_vocab_size: int
     for module in [*encoder_layers, *decoder_layers]:
         _init_linear(module)
     output = output_layer(cfg, tgt_tokens, tgt_vocab_size)
+    if t.output_bias:  # an imported Marian model's final_logits_bias
+        output.bias = nn.Parameter(torch.zeros(tgt_vocab_size))
 
     def final_norm() -> nn.Module:
         return options.norm(d) if t.norm == "pre" else nn.Identity()
 
     def embedding(tokens: nn.Embedding) -> Embedding:
-        return Embedding(tokens, d, cfg.max_positions, t.positions, cfg.dropout)
+        embedding = Embedding(tokens, d, cfg.max_positions, t.positions, cfg.dropout)
+        if not t.scale_embedding:
+            embedding.scale = 1.0
+        return embedding
 
     encoder = Encoder(embedding(src_tokens), encoder_layers, final_norm())
     decoder = Decoder(embedding(tgt_tokens), decoder_layers, final_norm(), output)
