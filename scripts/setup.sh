@@ -10,7 +10,7 @@ PYTHON=${PYTHON:-python3}
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
 fi
-.venv/bin/python -m pip install -q -e ".[dev,recipes,export,serve]"
+.venv/bin/python -m pip install -q -e ".[dev,recipes,export,serve,hf]"
 # Chromium for the explorer's browser test (tests/test_explorer_browser.py), best effort and quiet: only as root
 # with apt-get (Debian's chromium and chromium-driver, about 80 s once), never failing the setup; without it that
 # test is skipped ("no Chromium"). SEQ2SEQ_NO_BROWSER=1 leaves it out.

@@ -154,12 +154,24 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--output", "-o", required=True, help="averaged checkpoint to write")
     p.set_defaults(run=_average)
 
-    p = sub.add_parser("export", help="export a checkpoint to an inference engine (CTranslate2)")
+    p = sub.add_parser("export", help="export a checkpoint to an inference engine (CTranslate2) or Hugging Face")
     p.add_argument("checkpoint", help="checkpoint file (e.g. RUN/checkpoint_best.pt)")
-    p.add_argument("--format", choices=["ctranslate2"], default="ctranslate2", help="target engine")
+    p.add_argument(
+        "--format",
+        choices=["ctranslate2", "hf"],
+        default="ctranslate2",
+        help="ctranslate2 (default), or hf: a Marian directory for transformers' MarianMTModel and MarianTokenizer",
+    )
     p.add_argument("--output", "-o", required=True, help="model directory to create")
     p.add_argument("--quantization", default="float32", help="weights: float32 (default), int8, int8_float32, ...")
     p.set_defaults(run=_export)
+
+    p = sub.add_parser("import-hf", help="a Hugging Face Marian (OPUS-MT) model directory as a checkpoint")
+    p.add_argument("directory", help="the model directory (config.json, weights, source.spm, target.spm, vocab.json)")
+    p.add_argument(
+        "--output", "-o", required=True, help="checkpoint to write (e.g. RUN/checkpoint.pt); its config goes beside it"
+    )
+    p.set_defaults(run=_import_hf)
 
     p = sub.add_parser(
         "serve", help="an HTTP translation service for a checkpoint, with dynamic batching and an attention explorer"
@@ -305,10 +317,37 @@ def _average(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    if args.format == "hf":
+        from seq2seq.hf.files import export_marian
+
+        if args.quantization != "float32":
+            raise UsageError("--quantization applies to --format ctranslate2 only")
+        log.info("exported %s to %s (Marian)", args.checkpoint, export_marian(args.checkpoint, args.output))
+        return 0
     from seq2seq.export import export_ctranslate2
 
     output = export_ctranslate2(args.checkpoint, args.output, args.quantization)
     log.info("exported %s to %s (CTranslate2, %s)", args.checkpoint, output, args.quantization)
+    return 0
+
+
+def _import_hf(args: argparse.Namespace) -> int:
+    from seq2seq.hf.files import import_to_file
+
+    stored = import_to_file(args.directory, args.output)
+    t = stored.config.model.transformer
+    assert t is not None
+    log.info(
+        "imported %s into %s (%d+%d layers, d_model %d, %d and %d ids); its config: %s",
+        args.directory,
+        args.output,
+        t.encoder_layers,
+        t.decoder_layers,
+        stored.config.model.d_model,
+        stored.tokenizer.src_vocab_size,
+        stored.tokenizer.tgt_vocab_size,
+        args.output.rsplit(".", 1)[0] + ".yaml" if "." in args.output else args.output + ".yaml",
+    )
     return 0
 
 

@@ -1,0 +1,287 @@
+"""Hugging Face Marian (OPUS-MT) directories: import, equivalence with `transformers`, export, refusals.
+
+Offline: every Marian model here is a random `MarianMTModel` built by the test
+(seq2seq.hf.toy) with SentencePiece models trained on the toy corpus, saved
+with `save_pretrained` like a downloaded OPUS-MT directory.
+
+Search settings on both sides: HF's `min_new_tokens=1` is our `decode.min_len: 1`
+(no EOS first); our `max_len_b: N` with `max_len_a: 0` is HF's
+`max_new_tokens=N + 1` (EOS forced after N tokens). Beam search is compared with
+length_penalty 0 on both sides: HF divides a hypothesis' summed log-probability
+by len ** alpha and we by the GNMT ((5 + len) / 6) ** alpha, which rank
+hypotheses alike only at alpha 0; and HF scores a forced EOS 0 where we keep the
+model's log-probability, so the random models get an EOS bias that ends their
+sentences well before the limit (which the test checks).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import TINY, reversal_pairs, tiny_overrides, write_corpus
+
+from seq2seq import checkpoint as ckpt
+from seq2seq.cli import main
+from seq2seq.config import replace_checked
+from seq2seq.translate import Translator
+
+transformers = pytest.importorskip("transformers")
+
+from seq2seq.hf.files import import_marian  # noqa: E402  (after the skip: safetensors comes with the extra)
+from seq2seq.hf.toy import Shape, write_random_marian  # noqa: E402
+
+SHAPES = {
+    "shared-swish-scaled": Shape(eos_bias=3.0),
+    "separate-relu-unscaled-untied": Shape(
+        shared=False, activation="relu", scale_embedding=False, tied_output=False, eos_bias=3.0
+    ),
+    "shared-gelu-unscaled-d64": Shape(activation="gelu", scale_embedding=False, d_model=64, eos_bias=2.0),
+}
+LIMIT = 40  # tokens before a forced EOS
+
+
+@pytest.fixture(scope="module")
+def lines() -> tuple[list[str], list[str]]:
+    return reversal_pairs(500, 0)
+
+
+@pytest.fixture(scope="module")
+def marian_dirs(tmp_path_factory: pytest.TempPathFactory, lines: tuple[list[str], list[str]]) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("marian")
+    return {
+        name: write_random_marian(root / name, *lines, shape, seed=i) for i, (name, shape) in enumerate(SHAPES.items())
+    }
+
+
+def hf_model(directory: Path) -> tuple[Any, Any]:
+    model = transformers.MarianMTModel.from_pretrained(directory).eval()
+    return model, transformers.MarianTokenizer.from_pretrained(directory)
+
+
+def ours_translator(stored: ckpt.Checkpoint, **decode: object) -> Translator:
+    settings = {"max_len_a": 0.0, "max_len_b": LIMIT, "min_len": 1, "length_penalty": 0.0, **decode}
+    return Translator(stored.build_model(), stored.tokenizer, replace_checked(stored.config.decode, settings, "t", ""))
+
+
+def marian_ids(stored: ckpt.Checkpoint, tokenizer: Any, text: list[str], target: bool) -> list[list[int]]:
+    """Our token ids of some text, as Marian ids through the mapping the import chose (EOS appended)."""
+    side = stored.tokenizer.tgt if target else stored.tokenizer.src
+    vocab = tokenizer.target_encoder if target and tokenizer.separate_vocabs else tokenizer.encoder
+    ours = stored.tokenizer.encode_tgt(text) if target else stored.tokenizer.encode_src(text)
+    return [[vocab[side.id_to_piece(i)] for i in seq] + [vocab["</s>"]] for seq in ours]
+
+
+@pytest.mark.parametrize("name", SHAPES)
+def test_imported_logits_match_transformers(
+    name: str, marian_dirs: dict[str, Path], lines: tuple[list[str], list[str]], one_thread: None
+) -> None:
+    stored = import_marian(marian_dirs[name])
+    model = stored.build_model()
+    hf, tokenizer = hf_model(marian_dirs[name])
+    src_text, tgt_text = lines[0][:6], lines[1][:6]
+    batch = tokenizer(src_text, text_target=tgt_text, return_tensors="pt", padding=True)
+    pad = hf.config.pad_token_id
+    # the same segmentation and ids: ours, mapped to Marian's, are what MarianTokenizer gives
+    for ours, theirs, mask in zip(
+        marian_ids(stored, tokenizer, src_text, False), batch["input_ids"], batch["attention_mask"]
+    ):
+        assert ours == theirs[mask.bool()].tolist()
+    for ours, theirs in zip(marian_ids(stored, tokenizer, tgt_text, True), batch["labels"]):
+        assert ours == [t for t in theirs.tolist() if t != pad]
+    labels = batch["labels"]
+    decoder_in = torch.cat([torch.full((labels.shape[0], 1), hf.config.decoder_start_token_id), labels[:, :-1]], 1)
+    with torch.no_grad():
+        theirs = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], decoder_input_ids=decoder_in)
+        src_order, tgt_order = orders(stored, tokenizer)
+        src = to_ours(batch["input_ids"], src_order)
+        ours = model(src, batch["attention_mask"] == 0, to_ours(decoder_in, tgt_order))
+    real = labels != pad
+    assert (ours[..., 1:] - theirs.logits[..., tgt_order[1:]])[real].abs().max() < 1e-4
+
+
+def orders(stored: ckpt.Checkpoint, tokenizer: Any) -> tuple[list[int], list[int]]:
+    """The Marian id of each of our ids, per side (-1 for our PAD), read back from the two vocabularies."""
+
+    def side(processor: Any, vocab: dict[str, int]) -> list[int]:
+        return [-1] + [vocab[processor.id_to_piece(i)] for i in range(1, processor.get_piece_size())]
+
+    target_vocab = tokenizer.target_encoder if tokenizer.separate_vocabs else tokenizer.encoder
+    return side(stored.tokenizer.src, tokenizer.encoder), side(stored.tokenizer.tgt, target_vocab)
+
+
+def to_ours(ids: torch.Tensor, order: list[int]) -> torch.Tensor:
+    inverse = {m: i for i, m in enumerate(order)}
+    return torch.tensor([[inverse[int(t)] for t in row] for row in ids])
+
+
+@pytest.mark.parametrize("name", SHAPES)
+def test_imported_greedy_and_beam_output_is_generates(
+    name: str, marian_dirs: dict[str, Path], lines: tuple[list[str], list[str]], one_thread: None
+) -> None:
+    stored = import_marian(marian_dirs[name])
+    hf, tokenizer = hf_model(marian_dirs[name])
+    src = lines[0][:10]
+    batch = tokenizer(src, return_tensors="pt", padding=True)
+    for beams in (1, 4):
+        with torch.no_grad():
+            out = hf.generate(
+                **batch, num_beams=beams, max_new_tokens=LIMIT + 1, min_new_tokens=1, length_penalty=0.0,
+                do_sample=False, early_stopping=False,
+            )  # fmt: skip
+        theirs = tokenizer.batch_decode(out, skip_special_tokens=True)
+        strategy = {"strategy": "greedy"} if beams == 1 else {"strategy": "beam", "beam_size": beams}
+        translations = ours_translator(stored, **strategy).translate_full(src)
+        assert [t.text for t in translations] == theirs
+        assert all(len(t.hypotheses[0].tokens) <= LIMIT for t in translations)  # each ended by itself
+
+
+def test_import_hf_writes_a_checkpoint_and_its_config_that_translate_reads(
+    marian_dirs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], one_thread: None
+) -> None:
+    out = tmp_path / "run" / "checkpoint.pt"
+    assert main(["import-hf", str(marian_dirs["shared-swish-scaled"]), "-o", str(out)]) == 0
+    assert out.is_file() and (tmp_path / "run" / "checkpoint.yaml").is_file()
+    stored = ckpt.read(out)
+    assert stored.config.model.transformer is not None and stored.config.model.transformer.activation == "swish"
+    assert main(["config", "--config", str(tmp_path / "run" / "checkpoint.yaml")]) == 0
+    capsys.readouterr()
+    source = tmp_path / "in.txt"
+    source.write_text("red cat sun\ndog blue\n", encoding="utf-8")
+    assert main(["translate", "-c", str(out), "-i", str(source), "decode.strategy=greedy"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 2
+
+
+def broken(directory: Path, tmp_path: Path, how: str) -> Path:
+    """A copy of a Marian directory, damaged as `how` says."""
+    copy = tmp_path / how
+    shutil.copytree(directory, copy)
+    if how == "missing-spm":
+        (copy / "target.spm").unlink()
+    elif how == "vocab-size":
+        vocab = json.loads((copy / "vocab.json").read_text(encoding="utf-8"))
+        vocab.pop(max(vocab, key=vocab.__getitem__))
+        (copy / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+    elif how == "truncated-safetensors":
+        data = (copy / "model.safetensors").read_bytes()
+        (copy / "model.safetensors").write_bytes(data[: len(data) // 2])
+    elif how in ("bart", "pre-norm", "odd-activation", "no-config"):
+        config = json.loads((copy / "config.json").read_text(encoding="utf-8"))
+        if how == "bart":
+            config["model_type"] = "bart"
+        elif how == "pre-norm":
+            config["normalize_before"] = True
+        elif how == "odd-activation":
+            config["activation_function"] = "gelu_new"
+        (copy / "config.json").write_text(json.dumps(config), encoding="utf-8")
+        if how == "no-config":
+            (copy / "config.json").unlink()
+    elif how == "not-spm":
+        (copy / "source.spm").write_bytes(b"\x00not a model")
+    elif how == "no-weights":
+        (copy / "model.safetensors").unlink()
+    elif how == "wrong-shape":
+        config = json.loads((copy / "config.json").read_text(encoding="utf-8"))
+        config["encoder_ffn_dim"] = config["decoder_ffn_dim"] = config["encoder_ffn_dim"] * 2
+        (copy / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    return copy
+
+
+@pytest.mark.parametrize(
+    ("how", "message"),
+    [
+        ("missing-spm", "target.spm: missing"),
+        ("vocab-size", "but config.json's vocab_size is"),
+        ("truncated-safetensors", "not a readable safetensors file"),
+        ("bart", "model_type is 'bart'"),
+        ("pre-norm", "normalize_before is True"),
+        ("odd-activation", "activation_function 'gelu_new'"),
+        ("no-config", "config.json: missing"),
+        ("not-spm", "source.spm: not a SentencePiece model"),
+        ("no-weights", "no weights"),
+        ("wrong-shape", "the config says"),
+    ],
+)
+def test_a_broken_marian_directory_is_one_line_and_exit_1(
+    how: str, message: str, marian_dirs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    directory = broken(marian_dirs["shared-swish-scaled"], tmp_path, how)
+    assert main(["import-hf", str(directory), "-o", str(tmp_path / "out.pt")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("seq2seq: error: ") and message in err, err
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_an_imported_model_exports_back_and_generates_what_it_did(
+    marian_dirs: dict[str, Path], tmp_path: Path, lines: tuple[list[str], list[str]], one_thread: None
+) -> None:
+    """Import, export: `transformers` loads the export, and it translates (greedy, beam) as the original did."""
+    for name, directory in marian_dirs.items():
+        checkpoint = tmp_path / f"{name}.pt"
+        assert main(["import-hf", str(directory), "-o", str(checkpoint)]) == 0
+        exported = tmp_path / f"{name}-hf"
+        assert main(["export", str(checkpoint), "--format", "hf", "-o", str(exported)]) == 0
+        src = lines[0][:8]
+        outputs = []
+        for model_dir in (directory, exported):
+            hf, tokenizer = hf_model(model_dir)
+            batch = tokenizer(src, return_tensors="pt", padding=True)
+            with torch.no_grad():
+                out = hf.generate(**batch, num_beams=1, max_new_tokens=LIMIT + 1, min_new_tokens=1, do_sample=False)
+            outputs.append(tokenizer.batch_decode(out, skip_special_tokens=True))
+        assert outputs[0] == outputs[1], name
+
+
+@pytest.mark.trains  # the shared trained model (pre-norm)
+def test_export_hf_refuses_what_marian_cannot_express(
+    trained_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["export", str(trained_run / "checkpoint_best.pt"), "--format", "hf", "-o", str(tmp_path / "x")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model.transformer.norm=pre does not export to Marian" in err
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.trains
+def test_our_post_norm_model_exports_and_transformers_translates_it_alike(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], one_thread: None
+) -> None:
+    """A model of ours (post-norm, gelu, separate vocabularies) trained a little, exported: greedy output
+    in `transformers` is ours, and the extra ids of ours (PAD) and Marian's names line up."""
+    corpus = write_corpus(tmp_path / "data", n_train=600)
+    run = tmp_path / "run"
+    overrides = tiny_overrides(
+        corpus,
+        run,
+        "model.transformer.norm=post",
+        "model.transformer.activation=gelu",
+        "data.shared_vocab=false",
+        "model.share_all_embeddings=false",
+        "train.max_steps=30",
+        "train.threads=1",
+        "train.precision=fp32",
+    )
+    assert main(["train", "--config", str(TINY), *overrides]) == 0
+    exported = tmp_path / "hf"
+    assert main(["export", str(run / "checkpoint_best.pt"), "--format", "hf", "-o", str(exported)]) == 0
+    stored = ckpt.read(run / "checkpoint_best.pt")
+    src = reversal_pairs(12, 5)[0]
+    ours = ours_translator(stored, strategy="greedy").translate(src)
+    hf, tokenizer = hf_model(exported)
+    with torch.no_grad():
+        out = hf.generate(
+            **tokenizer(src, return_tensors="pt", padding=True), num_beams=1, max_new_tokens=LIMIT + 1,
+            min_new_tokens=1, do_sample=False,
+        )  # fmt: skip
+    assert tokenizer.batch_decode(out, skip_special_tokens=True) == ours
+    # exporting again replaces the earlier export; a directory of someone else's is refused
+    assert main(["export", str(run / "checkpoint_best.pt"), "--format", "hf", "-o", str(exported)]) == 0
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep", encoding="utf-8")
+    capsys.readouterr()
+    assert main(["export", str(run / "checkpoint_best.pt"), "--format", "hf", "-o", str(tmp_path / "mine")]) == 1
+    assert "did not write there (notes.txt)" in capsys.readouterr().err
