@@ -44,6 +44,7 @@ from seq2seq.model.layers import DecoderLayer, EncoderLayer, FeedForward
 from seq2seq.model.transformer import Decoder, Encoder
 from seq2seq.owned import check_replaceable, make_temporary, remove_temporary, replace_directory
 from seq2seq.tokenizer import Tokenizer
+from seq2seq.vocab import BOS, EOS, UNK
 
 OWN_FILES = re.compile(
     r"model\.bin|config\.json|(shared|source|target)_vocabulary\.(json|txt)|spm(\.src|\.tgt)?\.model"
@@ -137,6 +138,9 @@ def _spec(specs: Any, stored: Checkpoint, model: Seq2SeqTransformer) -> Any:
     spec.register_source_vocabulary(_pieces(stored.tokenizer, source=True))
     spec.register_target_vocabulary(_pieces(stored.tokenizer, source=False))
     spec.config.add_source_eos = True  # sources end with EOS, as in training
+    target = stored.tokenizer.tgt  # the special pieces by id: an imported Marian model's BOS is named <pad>
+    spec.config.unk_token, spec.config.eos_token = target.id_to_piece(UNK), target.id_to_piece(EOS)
+    spec.config.bos_token = spec.config.decoder_start_token = target.id_to_piece(BOS)
     spec.config.layer_norm_epsilon = _norm_epsilon(model)  # CTranslate2's default (1e-6) is not ours (1e-5)
     return spec
 

@@ -236,6 +236,27 @@ def test_an_imported_model_exports_back_and_generates_what_it_did(
         assert outputs[0] == outputs[1], name
 
 
+def test_an_imported_model_exports_to_ctranslate2_and_translates_alike(
+    marian_dirs: dict[str, Path], tmp_path: Path, lines: tuple[list[str], list[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """CTranslate2 gets the import's special pieces by id (its BOS is Marian's <pad>), swish, the unscaled
+    embeddings and the logits bias: its greedy translations are ours."""
+    pytest.importorskip("ctranslate2")
+    source = tmp_path / "in.txt"
+    source.write_text("\n".join(lines[0][:20]) + "\n", encoding="utf-8")
+    settings = ["decode.strategy=greedy", "decode.max_len_a=0", f"decode.max_len_b={LIMIT}"]
+    for name, directory in marian_dirs.items():
+        checkpoint, exported = tmp_path / f"{name}.pt", tmp_path / f"{name}-ct2"
+        assert main(["import-hf", str(directory), "-o", str(checkpoint)]) == 0
+        assert main(["export", str(checkpoint), "-o", str(exported)]) == 0
+        capsys.readouterr()
+        outputs = []
+        for model in (checkpoint, exported):
+            assert main(["translate", "-c", str(model), "-i", str(source), "--threads", "1", *settings]) == 0
+            outputs.append(capsys.readouterr().out)
+        assert outputs[0] == outputs[1] and len(outputs[0].splitlines()) == 20, name
+
+
 @pytest.mark.trains  # the shared trained model (pre-norm)
 def test_export_hf_refuses_what_marian_cannot_express(
     trained_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -37,7 +37,7 @@ ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "swish": "swish", "silu": "swish"
 OURS_TO_MARIAN_ACTIVATION = {"relu": "relu", "gelu": "gelu", "swish": "swish"}
 # Keys of related architectures (BART, mBART, old Marian configs) that would change the model if set.
 FOREIGN_KEYS = ("normalize_before", "add_final_layer_norm", "normalize_embedding", "layernorm_embedding")
-PAD_LOGIT_BIAS = -1e4  # our PAD's output bias: a probability of exp(-1e4) = 0, so log-softmax is Marian's
+PAD_LOGIT_BIAS = -50.0  # our PAD's output bias: exp(-50) adds nothing to a softmax, so log-probs are Marian's
 
 
 @dataclass(frozen=True)
