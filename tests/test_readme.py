@@ -69,3 +69,17 @@ def test_the_readme_jobs_learn_their_toy_tasks(ran: tuple[Path, list[subprocess.
     assert re.search(r"BLEU = \d", outputs)
     reversed_, copied = results[4].stdout.splitlines()[-2:]  # --tgt-lang tgt, then --tgt-lang same
     assert reversed_.split() and copied.split() and reversed_ != copied  # the tag chose the task
+
+
+@pytest.mark.trains
+def test_the_readme_fine_tunes_an_imported_model_past_its_parent(
+    ran: tuple[Path, list[subprocess.CompletedProcess[str]]],
+) -> None:
+    """Start from a pretrained model: the fine-tuned import scores above its parent, and transformers
+    loads its export (the block's last line is generate's translation)."""
+    work, results = ran
+    pretrained = next(r for r in results if "import-hf" in r.args[-1])
+    parent, tuned = (float(b) for b in re.findall(r"^BLEU = ([\d.]+)", pretrained.stdout, re.MULTILINE))
+    assert tuned > parent + 10
+    assert (work / "runs/opus-ft/hf/model.safetensors").is_file()
+    assert pretrained.stdout.splitlines()[-1].startswith("['")
