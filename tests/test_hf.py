@@ -306,3 +306,38 @@ def test_our_post_norm_model_exports_and_transformers_translates_it_alike(
     capsys.readouterr()
     assert main(["export", str(run / "checkpoint_best.pt"), "--format", "hf", "-o", str(tmp_path / "mine")]) == 1
     assert "did not write there (notes.txt)" in capsys.readouterr().err
+
+
+def test_pytorch_model_bin_imports_alike_and_a_pickle_with_code_is_refused(
+    marian_dirs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from safetensors.torch import load_file
+
+    directory = marian_dirs["separate-relu-unscaled-untied"]
+    copy = tmp_path / "bin"
+    shutil.copytree(directory, copy)
+    torch.save(load_file(str(copy / "model.safetensors")), copy / "pytorch_model.bin")
+    (copy / "model.safetensors").unlink()
+    expected, got = import_marian(directory).model, import_marian(copy).model
+    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+    torch.save({"weights": torch.zeros(2), "code": Shape()}, copy / "pytorch_model.bin")  # a class: not weights
+    assert main(["import-hf", str(copy), "-o", str(tmp_path / "out.pt")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pytorch_model.bin: not a readable weights file" in err
+
+
+def test_an_imported_model_is_served_with_its_attention(marian_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """The server and its explorer take an imported checkpoint like one of ours."""
+    pytest.importorskip("starlette")
+    from test_explorer import translate
+
+    checkpoint = tmp_path / "opus.pt"
+    assert main(["import-hf", str(marian_dirs["shared-swish-scaled"]), "-o", str(checkpoint)]) == 0
+    translator = Translator.from_checkpoint(checkpoint, strategy="greedy")
+    status, body = translate(translator, {"text": ["red cat dog"], "options": {"attention": True}})
+    assert status == 200, body
+    [answer] = body["translations"]
+    assert answer["text"] == translator.translate(["red cat dog"])[0]
+    [picture] = answer["attention"]
+    assert picture["layers"] == ["layer 2"] and picture["source"] == ["▁red", "▁cat", "▁dog", "</s>"]
+    assert picture["target"][-1] == "</s>" and len(picture["alignment"]) == len(picture["target"])
