@@ -341,3 +341,22 @@ def test_an_imported_model_is_served_with_its_attention(marian_dirs: dict[str, P
     [picture] = answer["attention"]
     assert picture["layers"] == ["layer 2"] and picture["source"] == ["▁red", "▁cat", "▁dog", "</s>"]
     assert picture["target"][-1] == "</s>" and len(picture["alignment"]) == len(picture["target"])
+
+
+def test_translate_and_evaluate_read_a_marian_directory_as_is(
+    marian_dirs: dict[str, Path], tmp_path: Path, lines: tuple[list[str], list[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    directory = marian_dirs["shared-gelu-unscaled-d64"]
+    checkpoint = tmp_path / "opus.pt"
+    assert main(["import-hf", str(directory), "-o", str(checkpoint)]) == 0
+    source, reference = tmp_path / "in.txt", tmp_path / "ref.txt"
+    source.write_text("\n".join(lines[0][:10]) + "\n", encoding="utf-8")
+    reference.write_text("\n".join(lines[1][:10]) + "\n", encoding="utf-8")
+    capsys.readouterr()
+    outputs = []
+    for model in (checkpoint, directory):
+        assert main(["translate", "-c", str(model), "-i", str(source), "--threads", "1"]) == 0
+        args = ["evaluate", "-c", str(model), "--src", str(source), "--ref", str(reference), "--threads", "1"]
+        assert main(args) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] and "BLEU = " in outputs[0]

@@ -60,7 +60,10 @@ def open_translator(options: ModelOptions) -> TextTranslator:
     if len(options.paths) > 1:
         model, loaded = load_ensemble(list(options.paths), device)  # decode settings and data: the first's
     else:
-        loaded = load_checkpoint(options.paths[0], device)
+        from seq2seq.hf.files import is_marian_directory, load_marian  # a Hugging Face Marian directory, read as is
+
+        path = options.paths[0]
+        loaded = load_marian(path, device) if is_marian_directory(path) else load_checkpoint(path, device)
         model = loaded.model
     config = with_decode_overrides(loaded.config, options.overrides)
     return Translator(model, loaded.tokenizer, config.decode, device, config.data)

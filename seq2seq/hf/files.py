@@ -157,6 +157,17 @@ def import_marian(directory: str | Path) -> ckpt.Checkpoint:
     return stored
 
 
+def is_marian_directory(path: str | Path) -> bool:
+    """Whether `path` is a Hugging Face model directory (config.json and source.spm), which `import_marian` reads."""
+    return Path(path).is_dir() and (Path(path) / "config.json").is_file() and (Path(path) / "source.spm").exists()
+
+
+def load_marian(directory: str | Path, device: str | torch.device = "cpu") -> ckpt.Loaded:
+    """A Marian directory's model, tokenizer and config, as `checkpoint.load_checkpoint` gives a checkpoint's."""
+    stored = import_marian(directory)
+    return ckpt.Loaded(stored.build_model(device), stored.tokenizer, stored.config, stored)
+
+
 def import_to_file(directory: str | Path, output: str | Path) -> ckpt.Checkpoint:
     """`seq2seq import-hf`: the checkpoint of a Marian directory written to `output`, its config beside it."""
     output = Path(output)
