@@ -360,3 +360,15 @@ def test_translate_and_evaluate_read_a_marian_directory_as_is(
         assert main(args) == 0
         outputs.append(capsys.readouterr().out)
     assert outputs[0] == outputs[1] and "BLEU = " in outputs[0]
+
+
+def test_sharded_safetensors_import_alike(marian_dirs: dict[str, Path], tmp_path: Path) -> None:
+    directory = marian_dirs["shared-swish-scaled"]
+    model, _ = hf_model(directory)
+    copy = tmp_path / "sharded"
+    model.save_pretrained(copy, max_shard_size="20KB")
+    assert (copy / "model.safetensors.index.json").is_file() and not (copy / "model.safetensors").exists()
+    for name in ("source.spm", "target.spm", "vocab.json", "tokenizer_config.json"):
+        shutil.copy(directory / name, copy / name)
+    expected, got = import_marian(directory).model, import_marian(copy).model
+    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
