@@ -154,6 +154,11 @@ def test_import_hf_writes_a_checkpoint_and_its_config_that_translate_reads(
     source.write_text("red cat sun\ndog blue\n", encoding="utf-8")
     assert main(["translate", "-c", str(out), "-i", str(source), "decode.strategy=greedy"]) == 0
     assert len(capsys.readouterr().out.splitlines()) == 2
+    assert main(["import-hf", str(marian_dirs["shared-swish-scaled"]), "-o", str(out)]) == 0  # again: replaced
+    (tmp_path / "notes.yaml").write_text("mine\n", encoding="utf-8")
+    assert main(["import-hf", str(marian_dirs["shared-swish-scaled"]), "-o", str(tmp_path / "notes.pt")]) == 1
+    assert "notes.yaml exists" in capsys.readouterr().err
+    assert (tmp_path / "notes.yaml").read_text(encoding="utf-8") == "mine\n" and not (tmp_path / "notes.pt").exists()
 
 
 def broken(directory: Path, tmp_path: Path, how: str) -> Path:

@@ -170,13 +170,15 @@ def load_marian(directory: str | Path, device: str | torch.device = "cpu") -> ck
 
 def import_to_file(directory: str | Path, output: str | Path) -> ckpt.Checkpoint:
     """`seq2seq import-hf`: the checkpoint of a Marian directory written to `output`, its config beside it."""
-    output = Path(output)
+    output, config = Path(output), Path(output).with_suffix(".yaml")
     if output.exists() and not output.is_file():
         raise UserError(f"--output {output} is not a file")
+    if config.exists() and not output.exists():  # a file of someone else's, not an earlier import's
+        raise UserError(f"{config} exists; import-hf writes the model's config there: choose another --output")
     stored = import_marian(directory)
     output.parent.mkdir(parents=True, exist_ok=True)
     ckpt.save(output, stored)
-    save_config(stored.config, output.with_suffix(".yaml"))
+    save_config(stored.config, config)
     return stored
 
 
