@@ -4,7 +4,7 @@
 # 1. the equivalence tests parametrized by device (tests/conftest.py `device`) on CUDA;
 # 2. the quickstart config for $STEPS updates (default 300) in each of $PRECISIONS (default fp32, bf16 and
 #    fp16 with its gradient scaler) on CUDA, with the median training tok/s of each;
-# 3. `seq2seq train` against its own update step on the same batches (scripts/bench_train.py --compare trainer)
+# 3. `seq2seq train` against its own update step on the same batches (scripts/bench/bench_train.py --compare trainer)
 #    with the model FLOPs utilisation, for the quickstart, the en-de recipe and a 6+6 d512 shape, fp32 and bf16,
 #    and the quickstart (fp32) and the 6+6 shape (bf16) with train.compile in its default and CUDA-graph modes;
 #    then translate and evaluate of the fp32 run on CUDA, and serve answering one request on CUDA;
@@ -59,11 +59,11 @@ for precision in $PRECISIONS; do
   fi
 done
 
-note "== seq2seq train against its own update step on CUDA (scripts/bench_train.py --compare trainer)"
+note "== seq2seq train against its own update step on CUDA (scripts/bench/bench_train.py --compare trainer)"
 bench_trainer() {  # LABEL ARGS...: the loop's share of its update step's tok/s, and the model FLOPs utilisation
   local label=$1
   shift
-  if $PY scripts/bench_train.py --device cuda --compare trainer --rounds 5 --steps 20 "$@" \
+  if $PY scripts/bench/bench_train.py --device cuda --compare trainer --rounds 5 --steps 20 "$@" \
       > "$OUT/bench_$label.log" 2>&1; then
     note "$label: $(grep -E 'median:|model FLOPs|^ratio' "$OUT/bench_$label.log" | sed 's/^ *//' | tr '\n' ' ')"
   else

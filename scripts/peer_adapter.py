@@ -10,7 +10,7 @@ CTranslate2 on the same batches. Both run this project's own code path:
   clipping at 1.0, fused Adam) on the model the suite asks for: post-norm,
   ReLU, sinusoidal positions, all embeddings tied, no attention or activation
   dropout.
-- `build_decode`: `seq2seq.search.search`, greedy or beam, with every
+- `build_decode`: `seq2seq.decoding.search.search`, greedy or beam, with every
   hypothesis forced to exactly `n_tokens` tokens before EOS.
 """
 
@@ -23,12 +23,12 @@ from typing import Any
 import torch
 
 from seq2seq.config import DecodeConfig, ExperimentConfig, ModelConfig, OptimConfig, TrainConfig, TransformerConfig
-from seq2seq.data import Batch
+from seq2seq.decoding.search import search
 from seq2seq.model import Seq2SeqTransformer, build_model
-from seq2seq.search import search
+from seq2seq.text.corpus import Batch
+from seq2seq.text.vocab import EOS, PAD
 from seq2seq.training.optim import build_optimizer, lr_schedule
 from seq2seq.training.update import UpdateStep
-from seq2seq.vocab import EOS, PAD
 
 
 def model_config(shape: dict[str, Any]) -> ModelConfig:

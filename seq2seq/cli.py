@@ -248,7 +248,7 @@ def _add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
 
 
 def _download(args: argparse.Namespace) -> int:
-    from seq2seq.download import download_multi30k
+    from seq2seq.text.download import download_multi30k
 
     paths = download_multi30k(args.dest, tuple(lang.strip() for lang in args.langs.split(",")), args.mirror)
     log.info("%d files ready in %s", len(paths), args.dest)
@@ -324,7 +324,7 @@ def _export(args: argparse.Namespace) -> int:
             raise UsageError("--quantization applies to --format ctranslate2 only")
         log.info("exported %s to %s (Marian)", args.checkpoint, export_marian(args.checkpoint, args.output))
         return 0
-    from seq2seq.export import export_ctranslate2
+    from seq2seq.deploy.export import export_ctranslate2
 
     output = export_ctranslate2(args.checkpoint, args.output, args.quantization)
     log.info("exported %s to %s (CTranslate2, %s)", args.checkpoint, output, args.quantization)

@@ -247,7 +247,7 @@ class DataConfig(Section):
     shared_vocab: bool = setting(True, "one vocabulary for both languages")
     spm_model_type: Literal["unigram", "bpe"] = setting("unigram", "SentencePiece model type")
     max_len: int = setting(128, "training pairs with more subwords on either side are dropped", min=1)
-    # seq2seq.tokenizer.Sampling
+    # seq2seq.text.tokenizer.Sampling
     sampling_alpha: float = setting(
         0.0,
         "subword regularisation: a new random segmentation of every training pair each epoch; unigram: "
@@ -545,7 +545,8 @@ class OptimConfig(Section):
     rdrop_alpha: float = setting(
         0.0,
         "R-Drop: every batch twice through the model under two dropout masks, plus this weight times their "
-        "symmetric KL; an update costs 2.5x a plain one on CPU (`scripts/bench_train.py --compare rdrop`); 0 is off",
+        "symmetric KL; an update costs 2.5x a plain one on CPU (`scripts/bench/bench_train.py --compare rdrop`); "
+        "0 is off",
         min=0,
     )
     clip_norm: float = setting(1.0, "gradient-norm clipping (0: off)", min=0)

@@ -39,7 +39,7 @@ def resolve_precision(precision: str, device: torch.device, width: int = CUDA_BF
     shapes again on each GPU it runs on. `auto` on CPU: bf16 autocast if the
     CPU has native bf16 instructions (AVX512-BF16 or AMX), else fp32.
 
-    Why bf16 on such CPUs: scripts/bench_train.py, on this project's 2-core AMD
+    Why bf16 on such CPUs: scripts/bench/bench_train.py, on this project's 2-core AMD
     EPYC (avx512_bf16, no AMX), measured bf16 autocast at 1.66x the training
     tokens/s of fp32 for the quickstart model (3,305 vs 1,994) and 2.36x for
     6+6 layers of d_model 512 (1,061 vs 428), medians of 5 interleaved rounds;
@@ -54,7 +54,7 @@ def resolve_precision(precision: str, device: torch.device, width: int = CUDA_BF
     matmuls are emulated, so fp32 stays the choice there (not measured here).
     With bounded row counts (`BoundedRows`) bf16's peak RSS over 500
     quickstart updates was 1.27x fp32's and flat, at 1.87x its tokens/s
-    (`scripts/bench_memory.py`, docs/results.md).
+    (`scripts/bench/bench_memory.py`, docs/results.md).
     """
     if precision == "fp16" and device.type != "cuda":
         raise TrainingError("train.precision=fp16 needs CUDA; use bf16 or fp32 on CPU")
@@ -127,7 +127,7 @@ class BoundedRows(TorchFunctionMode):
     creation on nearly every matmul. Rounding the rows bounds the shapes to a
     few dozen per layer, all reused. Rows are independent in a linear layer, so
     the padding changes no real row's result; fp32 uses other GEMMs and keeps
-    its shapes. `scripts/bench_memory.py` measures both.
+    its shapes. `scripts/bench/bench_memory.py` measures both.
     """
 
     def __torch_function__(

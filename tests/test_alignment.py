@@ -13,9 +13,9 @@ import pytest
 import torch
 from conftest import TINY, WORDS, tiny_overrides
 
-from seq2seq.alignment import AttentionMap, pharaoh, subword_alignment, word_alignment, word_indices
 from seq2seq.cli import main
-from seq2seq.translate import Translator
+from seq2seq.decoding.alignment import AttentionMap, pharaoh, subword_alignment, word_alignment, word_indices
+from seq2seq.decoding.translate import Translator
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -11,9 +11,9 @@ from seq2seq.app.evaluation import EvaluateOptions, evaluate
 from seq2seq.app.model import ModelOptions, open_translator, with_decode_overrides
 from seq2seq.app.runs import average
 from seq2seq.app.streams import TranslateOptions, translate_records, translate_stream
+from seq2seq.decoding.translate import Translator
 from seq2seq.errors import CheckpointError, ConfigError, DataError, UserError
-from seq2seq.inputs import Record
-from seq2seq.translate import Translator
+from seq2seq.text.inputs import Record
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from conftest import TINY, tiny_overrides
 
-from seq2seq.checkpoint import load_checkpoint
 from seq2seq.cli import main
+from seq2seq.decoding.translate import Translator
 from seq2seq.model import Seq2SeqRNN
-from seq2seq.translate import Translator
+from seq2seq.runs.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

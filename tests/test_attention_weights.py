@@ -13,14 +13,14 @@ import torch
 from conftest import model_config
 from torch import Tensor
 
-from seq2seq.alignment import model_attention, parse_layer, require_attention, select, teacher_forced_attention
 from seq2seq.config import DecodeConfig, RNNConfig
-from seq2seq.ensemble import Ensemble
+from seq2seq.decoding.alignment import model_attention, parse_layer, require_attention, select, teacher_forced_attention
+from seq2seq.decoding.ensemble import Ensemble
+from seq2seq.decoding.search import search
+from seq2seq.decoding.uncached import UncachedModel
 from seq2seq.errors import AttentionError, ConfigError
 from seq2seq.model import Seq2SeqModel, Seq2SeqRNN, build_model
-from seq2seq.search import search
-from seq2seq.uncached import UncachedModel
-from seq2seq.vocab import BOS, EOS, PAD
+from seq2seq.text.vocab import BOS, EOS, PAD
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

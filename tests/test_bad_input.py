@@ -23,10 +23,10 @@ from conftest import ROOT, TINY, single_thread_env, write_corpus
 from seq2seq.app import streams
 from seq2seq.cli import main
 from seq2seq.config import TransformerConfig
+from seq2seq.decoding.translate import Translator
 from seq2seq.errors import UserError
-from seq2seq.security import MIN_TORCH, check_torch_version
-from seq2seq.tokenizer import train_tokenizer
-from seq2seq.translate import Translator
+from seq2seq.runs.security import MIN_TORCH, check_torch_version
+from seq2seq.text.tokenizer import train_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -262,14 +262,14 @@ def test_closed_stdin(checkpoint: Path) -> None:
 
 INTERRUPTED_AT = {
     # id: (argv after the checkpoint/corpus are known, the function that receives the Ctrl-C)
-    "translate, loading the model": (["translate", "-c", "{ckpt}"], "seq2seq.checkpoint.load_checkpoint"),
+    "translate, loading the model": (["translate", "-c", "{ckpt}"], "seq2seq.runs.checkpoint.load_checkpoint"),
     "evaluate, decoding": (
         ["evaluate", "-c", "{ckpt}", "--src", "{src}", "--ref", "{ref}"],
-        "seq2seq.translate.Translator.translate",
+        "seq2seq.decoding.translate.Translator.translate",
     ),
     "evaluate, scoring": (["evaluate", "--hypotheses", "{ref}", "--ref", "{ref}"], "seq2seq.metrics.bleu"),
-    "average": (["average", "{ckpt}", "-o", "{tmp}/avg.pt"], "seq2seq.checkpoint.average_checkpoints"),
-    "download": (["download", "--dest", "{tmp}/data"], "seq2seq.download.download_multi30k"),
+    "average": (["average", "{ckpt}", "-o", "{tmp}/avg.pt"], "seq2seq.runs.checkpoint.average_checkpoints"),
+    "download": (["download", "--dest", "{tmp}/data"], "seq2seq.text.download.download_multi30k"),
     "train, reading the config": (["train", "--config", "{tiny}"], "seq2seq.cli.load_config"),
     "train, starting": (
         ["train", "--config", "{tiny}", "train.run_dir={tmp}/run"],
@@ -379,7 +379,7 @@ def _crafted(checkpoint: Path, tmp_path: Path, damage: str) -> Path:
 
     import torch
 
-    from seq2seq import checkpoint as ckpt
+    from seq2seq.runs import checkpoint as ckpt
 
     path = tmp_path / f"{damage}.pt"
     good = ckpt.read(checkpoint)

@@ -13,8 +13,13 @@ import pytest
 import torch
 from conftest import TINY, reversal_pairs
 
-from seq2seq import checkpoint as ckpt
-from seq2seq.checkpoint import (
+from seq2seq.cli import main
+from seq2seq.config import ExperimentConfig, RNNConfig, TransformerConfig, apply_overrides, load_config, to_dict
+from seq2seq.decoding.translate import Translator
+from seq2seq.errors import CheckpointError
+from seq2seq.model import Seq2SeqModel, build_model
+from seq2seq.runs import checkpoint as ckpt
+from seq2seq.runs.checkpoint import (
     Checkpoint,
     Progress,
     TrainingState,
@@ -23,13 +28,8 @@ from seq2seq.checkpoint import (
     load_checkpoint,
     remove_stale_temporaries,
 )
-from seq2seq.cli import main
-from seq2seq.config import ExperimentConfig, RNNConfig, TransformerConfig, apply_overrides, load_config, to_dict
-from seq2seq.errors import CheckpointError
-from seq2seq.model import Seq2SeqModel, build_model
-from seq2seq.run_dir import RunDirectory
-from seq2seq.tokenizer import Tokenizer, train_tokenizer
-from seq2seq.translate import Translator
+from seq2seq.runs.run_dir import RunDirectory
+from seq2seq.text.tokenizer import Tokenizer, train_tokenizer
 
 
 @pytest.fixture(scope="module")

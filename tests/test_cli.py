@@ -18,12 +18,12 @@ import torch
 from conftest import TINY, single_thread_env, tiny_overrides
 
 from seq2seq import metrics
-from seq2seq.checkpoint import load_checkpoint
 from seq2seq.cli import main
 from seq2seq.config import load_config
+from seq2seq.decoding.translate import Translator
 from seq2seq.device import resolve_device
 from seq2seq.errors import UserError
-from seq2seq.translate import Translator
+from seq2seq.runs.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SOURCES = ["red cat dog", "", "blue sun moon tree", "fish bird"]

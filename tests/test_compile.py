@@ -18,17 +18,17 @@ import pytest
 import torch
 from conftest import TINY, tiny_overrides, write_corpus
 
-from seq2seq import checkpoint as ckpt
-from seq2seq.checkpoint import LAST
 from seq2seq.cli import main
 from seq2seq.config import ExperimentConfig, load_config
-from seq2seq.data import Batch, bounded_shape, collate_pairs, length_bucket
 from seq2seq.model.build import build_model
+from seq2seq.runs import checkpoint as ckpt
+from seq2seq.runs.checkpoint import LAST
+from seq2seq.text.corpus import Batch, bounded_shape, collate_pairs, length_bucket
+from seq2seq.text.vocab import PAD
 from seq2seq.training.loss import batch_loss
 from seq2seq.training.monitor import read_metrics
 from seq2seq.training.trainer import train
 from seq2seq.training.update import Compiled
-from seq2seq.vocab import PAD
 
 FAST = ("validation.bleu=false", "train.max_tokens=256", "train.max_epochs=1000", "train.threads=1")
 

@@ -14,8 +14,6 @@ import torch
 import yaml
 from conftest import TINY, single_thread_env
 
-from seq2seq import checkpoint as ckpt
-from seq2seq.checkpoint import load_checkpoint
 from seq2seq.cli import main
 from seq2seq.config import (
     MOVED_TRAIN_KEYS,
@@ -37,6 +35,8 @@ from seq2seq.config import (
 )
 from seq2seq.errors import ConfigError
 from seq2seq.model import build_model
+from seq2seq.runs import checkpoint as ckpt
+from seq2seq.runs.checkpoint import load_checkpoint
 from seq2seq.training.setup import data_workers
 
 ROOT = Path(__file__).resolve().parents[1]

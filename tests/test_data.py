@@ -12,7 +12,8 @@ import pytest
 import torch
 from conftest import reversal_pairs
 
-from seq2seq.data import (
+from seq2seq.errors import DataError
+from seq2seq.text.corpus import (
     EMPTY,
     TOO_LONG,
     EncodedCorpus,
@@ -25,9 +26,8 @@ from seq2seq.data import (
     read_lines,
     read_parallel,
 )
-from seq2seq.errors import DataError
-from seq2seq.tokenizer import Sampling, Tokenizer, train_tokenizer
-from seq2seq.vocab import BOS, EOS, PAD, UNK
+from seq2seq.text.tokenizer import Sampling, Tokenizer, train_tokenizer
+from seq2seq.text.vocab import BOS, EOS, PAD, UNK
 
 LINES = ["ein Hund", "", "zwei Katzen  laufen", "Grüße, 東京!"]
 

@@ -22,11 +22,11 @@ import yaml
 from conftest import TINY, tiny_overrides, write_corpus
 from test_bad_input import assert_clean_failure, run_in_process
 
-from seq2seq import checkpoint as ckpt
 from seq2seq.cli import main
 from seq2seq.config import RNNConfig, to_dict
-from seq2seq.prepare import MANIFEST
-from seq2seq.tokenizer import train_tokenizer
+from seq2seq.runs import checkpoint as ckpt
+from seq2seq.text.prepare import MANIFEST
+from seq2seq.text.tokenizer import train_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from conftest import model_config
 from torch.overrides import TorchFunctionMode
 
-from seq2seq.data import Batch
 from seq2seq.device import autocast, resolve_precision, row_bucket
 from seq2seq.model import build_model
+from seq2seq.text.corpus import Batch
 from seq2seq.training.loss import batch_loss
 
 CPU = torch.device("cpu")

@@ -19,8 +19,8 @@ from seq2seq.app.distill import (
     write_student_data,
 )
 from seq2seq.config import DataConfig, DecodeConfig, ExperimentConfig, apply_overrides
+from seq2seq.decoding.translate import TextTranslator
 from seq2seq.errors import ConfigError
-from seq2seq.translate import TextTranslator
 
 
 class Upper:

@@ -13,9 +13,9 @@ import pytest
 import torch
 from conftest import ROOT, TINY, tiny_overrides, write_corpus
 
-from seq2seq import checkpoint as ckpt
-from seq2seq.checkpoint import LAST
 from seq2seq.config import load_config
+from seq2seq.runs import checkpoint as ckpt
+from seq2seq.runs.checkpoint import LAST
 from seq2seq.training.trainer import train
 
 # Dropout on: rank r draws the masks of micro-batch r, exactly as the single process does.

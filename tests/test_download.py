@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from seq2seq import download
 from seq2seq.cli import main
-from seq2seq.download import download_multi30k
 from seq2seq.errors import DownloadError
+from seq2seq.text import download
+from seq2seq.text.download import download_multi30k
 
 SMALL = {"train": 5, "val": 3, "test_2016_flickr": 2}
 

@@ -9,16 +9,16 @@ import pytest
 import torch
 from conftest import model_config, reversal_pairs
 
-from seq2seq import checkpoint as ckpt
-from seq2seq.alignment import model_attention, select, teacher_forced_attention
 from seq2seq.cli import main
 from seq2seq.config import DecodeConfig, RNNConfig
-from seq2seq.ensemble import Ensemble, EnsembleSession, load_ensemble
+from seq2seq.decoding.alignment import model_attention, select, teacher_forced_attention
+from seq2seq.decoding.ensemble import Ensemble, EnsembleSession, load_ensemble
+from seq2seq.decoding.search import search
+from seq2seq.decoding.translate import Translator
 from seq2seq.model import RNNSession, Seq2SeqRNN, Seq2SeqTransformer, TransformerSession, build_model
-from seq2seq.search import search
-from seq2seq.tokenizer import train_tokenizer
-from seq2seq.translate import Translator
-from seq2seq.vocab import BOS, EOS, PAD
+from seq2seq.runs import checkpoint as ckpt
+from seq2seq.text.tokenizer import train_tokenizer
+from seq2seq.text.vocab import BOS, EOS, PAD
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LINES = ["red cat dog sun", "blue tree house car bird fish", "moon", "green green bird"]

@@ -15,14 +15,14 @@ import pytest
 import torch
 from conftest import model_config
 
-from seq2seq.checkpoint import load_checkpoint
 from seq2seq.cli import main
 from seq2seq.config import RNNConfig
-from seq2seq.ensemble import Ensemble
+from seq2seq.decoding.ensemble import Ensemble
+from seq2seq.decoding.translate import Translator
 from seq2seq.errors import UsageError
 from seq2seq.model import build_model
+from seq2seq.runs.checkpoint import load_checkpoint
 from seq2seq.serve.options import ServeOptions, served_models
-from seq2seq.translate import Translator
 
 pytest.importorskip("starlette", reason="seq2seq serve needs the serve extra: pip install -e '.[serve]'")
 

@@ -10,13 +10,13 @@ import pytest
 import torch
 from conftest import TINY, tiny_overrides
 
-from seq2seq import checkpoint as ckpt
 from seq2seq.cli import main
 from seq2seq.config import ModelConfig, RNNConfig, TransformerConfig
-from seq2seq.export import _position_options
+from seq2seq.decoding.translate import Translator
+from seq2seq.deploy.export import _position_options
 from seq2seq.model import build_model
-from seq2seq.translate import Translator
-from seq2seq.vocab import BOS, EOS, PAD
+from seq2seq.runs import checkpoint as ckpt
+from seq2seq.text.vocab import BOS, EOS, PAD
 
 
 def lines(path: Path) -> list[str]:
@@ -24,7 +24,7 @@ def lines(path: Path) -> list[str]:
 
 
 ctranslate2 = pytest.importorskip("ctranslate2", reason="the export extra is not installed")
-from seq2seq.exported import CTranslate2Translator  # noqa: E402  (after the skip: it needs the extra)
+from seq2seq.deploy.exported import CTranslate2Translator  # noqa: E402  (after the skip: it needs the extra)
 
 
 def _ct2_translate(model_dir: Path, translator: Translator, sources: list[str]) -> list[tuple[str, float]]:
@@ -161,7 +161,7 @@ def test_every_variant_round_trips(
     """The same best hypothesis with the same token log-probabilities.
 
     Beam search stops a sentence only when no live hypothesis can beat its K-th best finished one
-    (seq2seq.search.still_searching), so it returns the best its beam can find; CTranslate2, given the
+    (seq2seq.decoding.search.still_searching), so it returns the best its beam can find; CTranslate2, given the
     same beam, returned the same best on every sentence of every variant (before that rule, on 1 of 40
     for post-rope-rmsnorm-gelu, where the search had stopped once K hypotheses had finished). The
     runners-up may still differ (CTranslate2 stops by a rule of its own), so only they are let go; both
@@ -293,7 +293,7 @@ def test_a_setting_that_cannot_be_honoured_is_said_once(
     variants: dict[str, tuple[Path, Path]], caplog: pytest.LogCaptureFixture
 ) -> None:
     _, exported = variants["pre-learned-shared-relu"]
-    with caplog.at_level("WARNING", logger="seq2seq.exported"):
+    with caplog.at_level("WARNING", logger="seq2seq.deploy.exported"):
         greedy = CTranslate2Translator.from_directory(exported, threads=1, strategy="greedy")
         assert not caplog.records
         beam = greedy.with_decode(strategy="beam", length_penalty=1.0)  # the change brings the penalty: said
@@ -302,7 +302,7 @@ def test_a_setting_that_cannot_be_honoured_is_said_once(
         beam.with_decode(strategy="sample", seed=beam.seed + 1)  # a new seed cannot reach the engine
         assert len(caplog.records) == 2 and caplog.records[1].getMessage().startswith("decode.seed=")
     caplog.clear()
-    with caplog.at_level("WARNING", logger="seq2seq.exported"):
+    with caplog.at_level("WARNING", logger="seq2seq.deploy.exported"):
         default = CTranslate2Translator.from_directory(exported, threads=1)  # the exported settings: quiet
         assert default.decode.strategy == "beam" and default.decode.length_penalty != 0 and not caplog.records
         CTranslate2Translator.from_directory(exported, threads=1, overrides=["decode.length_penalty=0.6"])

@@ -13,11 +13,11 @@ import pytest
 import torch
 from conftest import TINY, WORDS, reversal_pairs, tiny_overrides
 
-from seq2seq import checkpoint as ckpt
 from seq2seq.cli import main
 from seq2seq.config import ExperimentConfig, load_config
 from seq2seq.errors import ConfigError
-from seq2seq.prepare import MANIFEST, tokenizer_hash
+from seq2seq.runs import checkpoint as ckpt
+from seq2seq.text.prepare import MANIFEST, tokenizer_hash
 from seq2seq.training.assembly import assemble
 from seq2seq.training.trainer import Trainer, train
 

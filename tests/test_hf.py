@@ -25,10 +25,10 @@ import pytest
 import torch
 from conftest import TINY, reversal_pairs, tiny_overrides, write_corpus
 
-from seq2seq import checkpoint as ckpt
 from seq2seq.cli import main
 from seq2seq.config import replace_checked
-from seq2seq.translate import Translator
+from seq2seq.decoding.translate import Translator
+from seq2seq.runs import checkpoint as ckpt
 
 transformers = pytest.importorskip("transformers")
 

@@ -28,11 +28,11 @@ import pytest
 import torch
 from conftest import ROOT, TINY, single_thread_env, tiny_overrides
 
-from seq2seq import checkpoint as ckpt
 from seq2seq.config import load_config
+from seq2seq.decoding.translate import Translator
 from seq2seq.model import build_model
-from seq2seq.tokenizer import train_tokenizer
-from seq2seq.translate import Translator
+from seq2seq.runs import checkpoint as ckpt
+from seq2seq.text.tokenizer import train_tokenizer
 
 # exit 2: a config key, or a command-line flag (usage error)
 PREFIX = {

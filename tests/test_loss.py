@@ -8,10 +8,10 @@ import torch.nn.functional as F
 from conftest import model_config
 
 from seq2seq.config import RNNConfig
-from seq2seq.data import Batch, pad
 from seq2seq.model import build_model
+from seq2seq.text.corpus import Batch, pad
+from seq2seq.text.vocab import BOS, EOS, PAD
 from seq2seq.training.loss import batch_loss, label_smoothed_loss, symmetric_kl
-from seq2seq.vocab import BOS, EOS, PAD
 
 VOCAB = 24
 

@@ -24,7 +24,7 @@ from seq2seq.model.packed import onednn_available
 from seq2seq.model.plan import CPU_KERNEL
 from seq2seq.model.rnn import Encoded
 from seq2seq.model.transformer import DecodingPlan, Seq2SeqTransformer, TransformerSession, sinusoidal_table
-from seq2seq.vocab import BOS, EOS, PAD
+from seq2seq.text.vocab import BOS, EOS, PAD
 
 VOCAB = 23
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -16,9 +16,9 @@ from conftest import TINY, reversal_pairs, tiny_overrides
 
 from seq2seq.cli import main
 from seq2seq.config import DataConfig, load_config
+from seq2seq.decoding.translate import Translator
 from seq2seq.errors import ConfigError, DataError
-from seq2seq.prepare import PreparedCorpus, settings
-from seq2seq.translate import Translator
+from seq2seq.text.prepare import PreparedCorpus, settings
 
 PAIRS = "data.pairs=[src-rev, src-same]"
 

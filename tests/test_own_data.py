@@ -14,14 +14,14 @@ import yaml
 from conftest import TINY, reversal_pairs, tiny_overrides, write_corpus
 
 from seq2seq.app.evaluation import eval_set
-from seq2seq.checkpoint import read
 from seq2seq.cli import main
 from seq2seq.config import ExperimentConfig, TrainConfig, load_config, to_dict
-from seq2seq.data import read_split
 from seq2seq.errors import DataError
-from seq2seq.prepare import PreparedCorpus, prepare, stale_reason
+from seq2seq.runs.checkpoint import read
+from seq2seq.text.corpus import read_split
+from seq2seq.text.prepare import PreparedCorpus, prepare, stale_reason
+from seq2seq.text.vocab import UNK
 from seq2seq.training.budget import plan_warnings, planned_updates
-from seq2seq.vocab import UNK
 
 SPLITS = (("train", 300, 0), ("val", 50, 1), ("test", 20, 2))
 QUICK = ("train.threads=1", "validation.bleu=false", "train.precision=fp32")

@@ -12,14 +12,14 @@ from typing import Any
 import pytest
 import torch
 
-from seq2seq import checkpoint as ckpt
-from seq2seq.alignment import AttentionMap
 from seq2seq.cli import main
 from seq2seq.config import RNNConfig
-from seq2seq.ensemble import Ensemble
+from seq2seq.decoding.alignment import AttentionMap
+from seq2seq.decoding.ensemble import Ensemble
+from seq2seq.decoding.pictures import draw, picture_size, save_pictures
+from seq2seq.decoding.translate import Translator
 from seq2seq.model import build_model
-from seq2seq.pictures import draw, picture_size, save_pictures
-from seq2seq.translate import Translator
+from seq2seq.runs import checkpoint as ckpt
 
 pytest.importorskip("matplotlib", reason="attention pictures need matplotlib: pip install -e '.[recipes]'")
 from matplotlib.image import imread  # noqa: E402  (after the skip)

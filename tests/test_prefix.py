@@ -13,10 +13,10 @@ import torch
 from conftest import reversal_pairs
 
 from seq2seq.cli import main
+from seq2seq.decoding.search import length_penalty
+from seq2seq.decoding.translate import Translator
 from seq2seq.errors import DataError
-from seq2seq.search import length_penalty
-from seq2seq.translate import Translator
-from seq2seq.vocab import BOS, PAD
+from seq2seq.text.vocab import BOS, PAD
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

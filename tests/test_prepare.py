@@ -15,9 +15,9 @@ from conftest import TINY, tiny_overrides, write_corpus
 from seq2seq.cli import main
 from seq2seq.config import DataConfig, load_config
 from seq2seq.errors import DataError
-from seq2seq.prepare import PreparedCorpus, ensure_prepared, prepare, stale_reason
+from seq2seq.text.prepare import PreparedCorpus, ensure_prepared, prepare, stale_reason
+from seq2seq.text.vocab import EOS
 from seq2seq.training.epochs import EpochSource
-from seq2seq.vocab import EOS
 
 
 def data_config(corpus: Path, *extra: str) -> DataConfig:

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, TINY, single_thread_env, tiny_overrides, write_corpus
 
-from seq2seq import checkpoint, metrics
+from seq2seq import metrics
+from seq2seq.runs import checkpoint
 
 RECIPE = ROOT / "scripts" / "run_recipe.py"
 

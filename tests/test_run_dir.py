@@ -15,10 +15,10 @@ import pytest
 import torch
 from conftest import ROOT, TINY, single_thread_env, tiny_overrides, write_corpus
 
-from seq2seq import checkpoint as ckpt
 from seq2seq.cli import main
 from seq2seq.config import load_config
-from seq2seq.run_dir import RunDirectory
+from seq2seq.runs import checkpoint as ckpt
+from seq2seq.runs.run_dir import RunDirectory
 from seq2seq.training.trainer import train
 
 pytestmark = pytest.mark.trains  # every test but one trains, here or in a child `seq2seq train`
@@ -166,7 +166,7 @@ def test_a_process_killed_inside_a_save_loses_nothing_and_resumes_exactly(small:
     args = ["train", "--config", str(TINY), *overrides(small, run, *DROPOUT, "checkpoint.every=1")]
     child = textwrap.dedent(f"""
         import os, signal
-        from seq2seq import checkpoint
+        from seq2seq.runs import checkpoint
         from seq2seq.cli import main
         real, calls = os.replace, [0]
         def replace(src, dst):
@@ -232,7 +232,7 @@ def test_a_kill_inside_the_first_save_is_rerun_from_the_start(
     args = ["train", "--config", str(TINY), *overrides(small, run, *settings)]
     child = textwrap.dedent(f"""
         import os, signal
-        from seq2seq import checkpoint
+        from seq2seq.runs import checkpoint
         from seq2seq.cli import main
         real = os.replace
         def replace(src, dst):

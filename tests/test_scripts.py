@@ -13,7 +13,7 @@ import torch
 from conftest import ROOT, single_thread_env
 
 from seq2seq import metrics
-from seq2seq.translate import Translator
+from seq2seq.decoding.translate import Translator
 
 SCRIPTS = ROOT / "scripts"
 
@@ -60,7 +60,9 @@ def test_decode_grid_prints_one_row_per_beam_and_one_column_per_alpha(
 ) -> None:
     checkpoint = str(trained_run / "checkpoint_best.pt")
     args = [checkpoint, "--beams", "1", "2", "--alphas", "0.6", "1.4", "--threads", "1"]
-    table = [line for line in run_script("decode_grid.py", *args, cwd=tmp_path).stdout.splitlines() if "|" in line]
+    table = [
+        line for line in run_script("bench/decode_grid.py", *args, cwd=tmp_path).stdout.splitlines() if "|" in line
+    ]
     assert table[0] == "| beam | alpha 0.6 | alpha 1.4 |" and table[1] == "|---|---|---|"
     rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table[2:]]
     assert [row[0] for row in rows] == ["1", "2"]
@@ -80,7 +82,7 @@ def test_bench_decode_reports_speed_ratios_and_identical_outputs(
     results = tmp_path / "bench.json"
     args = ["-c", str(trained_run / "checkpoint_best.pt"), "--src", str(corpus / "test.src"), "-n", "12"]
     args += ["--rounds", "1", "--modes", "greedy,beam", "--beam", "2", "--threads", "1", "--json", str(results)]
-    proc = run_script("bench_decode.py", *args, cwd=tmp_path)
+    proc = run_script("bench/bench_decode.py", *args, cwd=tmp_path)
     assert "differ" not in proc.stderr  # the cached search gives the uncached search's tokens
     ratio_lines = [line for line in proc.stdout.splitlines() if "cached / uncached speed = " in line]
     assert [line.split(":")[0] for line in ratio_lines] == ["greedy", "beam"]
@@ -99,7 +101,7 @@ def test_bench_decode_compares_engines(trained_run: Path, corpus: Path, tmp_path
     args += ["--src", str(corpus / "test.src"), "--ref", str(corpus / "test.tgt"), "-n", "8", "--rounds", "1"]
     args += ["--beam", "2", "--threads", "1", "--baseline-rev", "HEAD", "--shapes", "checkpoint,tiny"]
     args += ["--shape-length", "3", "--json", str(results)]
-    proc = run_script("bench_decode.py", *args, cwd=tmp_path)
+    proc = run_script("bench/bench_decode.py", *args, cwd=tmp_path)
     assert "first call" in proc.stdout
     summary = json.loads(results.read_text(encoding="utf-8"))
     assert set(summary["results"]) == {"checkpoint greedy", "checkpoint beam2", "tiny greedy", "tiny beam2"}
@@ -126,7 +128,7 @@ def test_bench_train_times_two_update_settings_round_by_round(
     """A comparison runs real training updates of both settings, round by round, and reports a ratio."""
     args = ["--data", str(corpus), "--langs", "src,tgt", "--spm", str(trained_run / "spm.model"), "--models", "tiny"]
     args += ["--rounds", "2", "--steps", "1", "--threads", "1", "--max-tokens", "256", "--compare", compare]
-    out = run_script("bench_train.py", *args, cwd=tmp_path).stdout
+    out = run_script("bench/bench_train.py", *args, cwd=tmp_path).stdout
     rounds = [line for line in out.splitlines() if line.strip().startswith("round ")]
     assert len(rounds) == 2 and all(f"{first} " in r and f"{second}/{first}" in r for r in rounds)
     assert "ratio median" in out
@@ -143,13 +145,13 @@ def test_bench_train_times_updates_on_the_gpu(
 ) -> None:
     args = ["--data", str(corpus), "--langs", "src,tgt", "--spm", str(trained_run / "spm.model"), "--models", "tiny"]
     args += ["--rounds", "2", "--steps", "1", "--max-tokens", "256", "--compare", compare, "--device", "cuda"]
-    out = run_script("bench_train.py", *args, cwd=tmp_path).stdout
+    out = run_script("bench/bench_train.py", *args, cwd=tmp_path).stdout
     assert "GPU: " in out and f"{second}/{first} ratio median" in out
 
 
 def test_bench_train_refuses_a_gpu_comparison_on_the_cpu(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, str(SCRIPTS / "bench_train.py"), "--compare", "gpu-attention"],
+        [sys.executable, str(SCRIPTS / "bench/bench_train.py"), "--compare", "gpu-attention"],
         capture_output=True,
         text=True,
         cwd=tmp_path,
@@ -164,7 +166,7 @@ def test_peer_adapter_runs_the_projects_update_and_search() -> None:
 
     import torch
 
-    from seq2seq.vocab import BOS, PAD
+    from seq2seq.text.vocab import BOS, PAD
 
     spec = importlib.util.spec_from_file_location("peer_adapter", SCRIPTS / "peer_adapter.py")
     assert spec is not None and spec.loader is not None
@@ -186,7 +188,7 @@ def test_peer_adapter_runs_the_projects_update_and_search() -> None:
 
 def test_profile_train_reports_bucket_shares(tmp_path: Path) -> None:
     args = ["--models", "quickstart", "--steps", "1", "--threads", "1", "--vocab", "100", "--sentences", "4"]
-    out = run_script("profile_train.py", *args, "--length", "8", cwd=tmp_path).stdout
+    out = run_script("bench/profile_train.py", *args, "--length", "8", cwd=tmp_path).stdout
     shares = {line.split()[0]: float(line.split()[1].rstrip("%")) for line in out.splitlines() if line.endswith("%")}
     assert {"matmul", "rest"} <= set(shares) and sum(shares.values()) == pytest.approx(100, abs=0.5)
     rates = [float(word) for word in out.split("matmul rate:")[1].split() if word.replace(".", "").isdigit()]

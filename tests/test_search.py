@@ -17,10 +17,9 @@ import pytest
 import torch
 from torch import Tensor
 
-from seq2seq import search as search_module
 from seq2seq.config import DecodeConfig
-from seq2seq.model import AttentionRecord
-from seq2seq.search import (
+from seq2seq.decoding import search as search_module
+from seq2seq.decoding.search import (
     NEG_INF,
     beam_search,
     beam_step,
@@ -31,8 +30,9 @@ from seq2seq.search import (
     restrict,
     search,
 )
-from seq2seq.uncached import uncached_search
-from seq2seq.vocab import BOS, EOS, PAD, UNK
+from seq2seq.decoding.uncached import uncached_search
+from seq2seq.model import AttentionRecord
+from seq2seq.text.vocab import BOS, EOS, PAD, UNK
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: a second thread only adds waiting
 
@@ -378,8 +378,8 @@ def on(
 def tiny(trained_run: Path) -> tuple[torch.nn.Module, Tensor, Tensor]:
     from conftest import reversal_pairs
 
-    from seq2seq.checkpoint import load_checkpoint
-    from seq2seq.data import pad
+    from seq2seq.runs.checkpoint import load_checkpoint
+    from seq2seq.text.corpus import pad
 
     loaded = load_checkpoint(trained_run / "checkpoint_best.pt")
     lines, _ = reversal_pairs(12, seed=42)

@@ -30,7 +30,7 @@ from conftest import single_thread_env
 
 from seq2seq.cli import main
 from seq2seq.config import DecodeConfig, replace_checked
-from seq2seq.translate import Translation, Translator
+from seq2seq.decoding.translate import Translation, Translator
 
 pytest.importorskip("starlette", reason="seq2seq serve needs the serve extra: pip install -e '.[serve]'")
 pytest.importorskip("uvicorn", reason="seq2seq serve needs the serve extra: pip install -e '.[serve]'")

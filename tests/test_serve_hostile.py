@@ -22,8 +22,8 @@ from test_serve import RecordingEngine, Server, _serve_fails, asgi_post
 
 from seq2seq.cli import main
 from seq2seq.config import DecodeConfig
+from seq2seq.decoding.translate import Translation
 from seq2seq.errors import DataError
-from seq2seq.translate import Translation
 
 pytest.importorskip("starlette", reason="seq2seq serve needs the serve extra: pip install -e '.[serve]'")
 pytest.importorskip("uvicorn", reason="seq2seq serve needs the serve extra: pip install -e '.[serve]'")

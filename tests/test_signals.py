@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, TINY, single_thread_env, tiny_overrides
 
-from seq2seq import checkpoint as ckpt
 from seq2seq import interrupt
 from seq2seq.cli import main
 from seq2seq.interrupt import Interrupted, Interrupts
+from seq2seq.runs import checkpoint as ckpt
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -89,7 +89,7 @@ from seq2seq.entry import main
 sys.exit(main(spec["argv"]))
 """
 
-TRANSLATE_CHUNK = "seq2seq.translate:Translator.translate_full"
+TRANSLATE_CHUNK = "seq2seq.decoding.translate:Translator.translate_full"
 LINES = [
     f"{a} {b} {c}"
     for a, b, c in zip(
@@ -153,7 +153,7 @@ def test_translate_stops_with_its_output_intact(
 def test_evaluate_stops_inside_a_decode_step(trained_run: Path, corpus: Path) -> None:
     """The test set is one call: the safe point is between its batches (armed after the first)."""
     argv = ["evaluate", "-c", str(trained_run / "checkpoint_best.pt"), "decode.max_tokens=64", "decode.strategy=greedy"]
-    proc = run_driver(argv, signal.SIGINT, "step", arm="seq2seq.translate:Translator._search", after=1)
+    proc = run_driver(argv, signal.SIGINT, "step", arm="seq2seq.decoding.translate:Translator._search", after=1)
     assert_interrupted(proc, signal.SIGINT)
     assert "BLEU" not in proc.stdout
 

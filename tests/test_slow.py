@@ -15,8 +15,8 @@ import pytest
 import torch
 from conftest import ROOT
 
-from seq2seq import checkpoint as ckpt
-from seq2seq.checkpoint import LAST
+from seq2seq.runs import checkpoint as ckpt
+from seq2seq.runs.checkpoint import LAST
 
 pytestmark = pytest.mark.slow
 

@@ -25,7 +25,7 @@ import pytest
 from conftest import ROOT, TINY, single_thread_env, tiny_overrides, write_corpus
 
 from seq2seq.cli import main
-from seq2seq.prepare import MANIFEST
+from seq2seq.text.prepare import MANIFEST
 
 # Runs `python -m seq2seq ARGV` after replacing spec["patch"]'s attributes ("module:attr.path") with stopper.py's
 # ("stopper:name") or a value, and, with spec["fire_on_import"], sends SIGINT to itself when that module is first
@@ -68,7 +68,7 @@ import signal
 import sys
 import time
 
-import seq2seq.prepare as prepare
+import seq2seq.text.prepare as prepare
 
 SIGNAL = signal.Signals[os.environ.get("STOP_SIGNAL", "SIGINT")]
 real = {
@@ -192,12 +192,15 @@ def assert_stopped(proc: subprocess.CompletedProcess[str], sig: signal.Signals) 
 
 # `seq2seq prepare`: a signal in each phase stops it within moments, its temporary directory removed.
 
-POOL = {"seq2seq.prepare:encode_shards": "stopper:two_workers"}
+POOL = {"seq2seq.text.prepare:encode_shards": "stopper:two_workers"}
 PHASES: dict[str, dict[str, Any]] = {
-    "streaming pass": {"seq2seq.prepare:_reservoir": "stopper:reservoir"},
-    "SentencePiece": {"seq2seq.prepare:_trained_state": "stopper:trained_state", "seq2seq.prepare:SPM_PROCESS_MIN": 0},
-    "workers starting": {**POOL, "seq2seq.prepare:_init_worker": "stopper:init_worker"},
-    "encoding": {**POOL, "seq2seq.prepare:encode_chunk": "stopper:encode_chunk"},
+    "streaming pass": {"seq2seq.text.prepare:_reservoir": "stopper:reservoir"},
+    "SentencePiece": {
+        "seq2seq.text.prepare:_trained_state": "stopper:trained_state",
+        "seq2seq.text.prepare:SPM_PROCESS_MIN": 0,
+    },
+    "workers starting": {**POOL, "seq2seq.text.prepare:_init_worker": "stopper:init_worker"},
+    "encoding": {**POOL, "seq2seq.text.prepare:encode_chunk": "stopper:encode_chunk"},
 }
 
 
@@ -230,7 +233,7 @@ def test_an_encoding_worker_killed_alone_is_one_line(tmp_path: Path) -> None:
     """Not a wait for a lock the dead worker held (multiprocessing.Pool's hang)."""
     corpus, run = write_corpus(tmp_path / "corpus"), tmp_path / "run"
     argv = ["prepare", "--config", str(TINY), "--workers", "2", *tiny_overrides(corpus, run)]
-    proc = drive(tmp_path, argv, {**POOL, "seq2seq.prepare:encode_chunk": "stopper:killed"})
+    proc = drive(tmp_path, argv, {**POOL, "seq2seq.text.prepare:encode_chunk": "stopper:killed"})
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         "seq2seq: error: an encoding process ended without finishing its work (killed by SIGKILL; out of memory?)"
@@ -295,7 +298,7 @@ def test_a_killed_preparation_leaves_no_temporary(
     assert main(argv) == 0
     changed = [*argv, "data.max_len=20"]
     patch, env = {
-        "while building": ({"seq2seq.prepare:_reservoir": "stopper:killed"}, {}),
+        "while building": ({"seq2seq.text.prepare:_reservoir": "stopper:killed"}, {}),
         "before the swap": ({"pathlib:Path.rename": "stopper:rename_or_killed"}, {"KILL_AT_RENAME": "1"}),
         "between the swap's renames": ({"pathlib:Path.rename": "stopper:rename_or_killed"}, {"KILL_AT_RENAME": "2"}),
         "removing the old directory": ({"shutil:rmtree": "stopper:rmtree_or_killed"}, {}),

@@ -18,14 +18,14 @@ import pytest
 import torch
 from conftest import ROOT, TINY, tiny_overrides, write_corpus
 
-from seq2seq import checkpoint as ckpt
 from seq2seq import device as device_module
-from seq2seq.checkpoint import LAST, Progress
 from seq2seq.cli import main
 from seq2seq.config import ExperimentConfig, load_config
-from seq2seq.data import Batch, collate_pairs
 from seq2seq.device import resolve_precision
 from seq2seq.errors import TrainingError
+from seq2seq.runs import checkpoint as ckpt
+from seq2seq.runs.checkpoint import LAST, Progress
+from seq2seq.text.corpus import Batch, collate_pairs
 from seq2seq.training import update as update_module
 from seq2seq.training.assembly import TrainingRun, assemble
 from seq2seq.training.monitor import read_metrics
@@ -150,7 +150,7 @@ def collate_ids(trainer: TrainingRun, indices: list[int]) -> Batch:
 def test_precision_choices_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.device("cpu")
     monkeypatch.setattr(device_module, "cpu_has_native_bf16", lambda: True)
-    assert resolve_precision("auto", cpu) == "bf16"  # see scripts/bench_train.py
+    assert resolve_precision("auto", cpu) == "bf16"  # see scripts/bench/bench_train.py
     monkeypatch.setattr(device_module, "cpu_has_native_bf16", lambda: False)
     assert resolve_precision("auto", cpu) == "fp32"
     assert resolve_precision("bf16", cpu) == "bf16" and resolve_precision("fp32", cpu) == "fp32"

@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, reversal_pairs, single_thread_env
 
-from seq2seq import checkpoint as ckpt
-from seq2seq.checkpoint import load_checkpoint
 from seq2seq.cli import main
-from seq2seq.download import tokenized_reference
+from seq2seq.decoding.search import length_penalty
+from seq2seq.decoding.translate import Translation, Translator
 from seq2seq.errors import ConfigError
-from seq2seq.search import length_penalty
-from seq2seq.translate import Translation, Translator
+from seq2seq.runs import checkpoint as ckpt
+from seq2seq.runs.checkpoint import load_checkpoint
+from seq2seq.text.download import tokenized_reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: a second thread only adds waiting
 

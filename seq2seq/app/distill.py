@@ -19,12 +19,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from seq2seq.data import read_lines, read_split
 from seq2seq.errors import ConfigError
+from seq2seq.text.corpus import read_lines, read_split
 
 if TYPE_CHECKING:
     from seq2seq.config import DataConfig, DecodeConfig
-    from seq2seq.translate import TextTranslator
+    from seq2seq.decoding.translate import TextTranslator
 
 log = logging.getLogger("seq2seq")
 
@@ -142,7 +142,7 @@ def write_student_data(data: DataConfig, directory: Path, distilled: Sequence[st
     """The student's data directory (text format): the distilled pairs, the original training pairs when
     `mix`, the original validation and test splits (and the test's tokenized reference, when there is
     one); returns the `data.*` overrides that make a config train on it."""
-    from seq2seq.download import tokenized_reference
+    from seq2seq.text.download import tokenized_reference
 
     directory.mkdir(parents=True, exist_ok=True)
     sources, targets = training_pairs(data)

@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING
 from seq2seq.app.files import refuse_overwriting
 from seq2seq.app.model import ModelOptions, open_translator
 from seq2seq.app.progress import progress_bar
-from seq2seq.data import read_lines
 from seq2seq.errors import DataError, UsageError
+from seq2seq.text.corpus import read_lines
 
 if TYPE_CHECKING:
     from seq2seq.config import DataConfig
+    from seq2seq.decoding.translate import TextTranslator
     from seq2seq.metrics import Report
-    from seq2seq.translate import TextTranslator
 
 log = logging.getLogger("seq2seq")
 
@@ -131,7 +131,7 @@ def test_sides(
 ) -> tuple[list[str], list[str]]:
     """The lines of the given source and reference files, the test split's (in data.format, or of the
     languages `langs`) for those not given."""
-    from seq2seq.data import find_file, read_split
+    from seq2seq.text.corpus import find_file, read_split
 
     if data.format != "text" and (src is None or ref is None):
         split_src, split_ref = read_split(data, data.test)
@@ -162,7 +162,7 @@ def default_tok_ref(data: DataConfig, lang: str = "") -> Path | None:
     sacremoses can use it."""
     import importlib.util
 
-    from seq2seq.download import tokenized_reference
+    from seq2seq.text.download import tokenized_reference
 
     path = tokenized_reference(data.dir, data.test, lang or data.tgt_lang)
     if not path.is_file():

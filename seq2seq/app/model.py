@@ -12,7 +12,7 @@ from seq2seq.config import MAX_THREADS, ExperimentConfig, apply_overrides
 from seq2seq.errors import ConfigError, UsageError
 
 if TYPE_CHECKING:
-    from seq2seq.translate import TextTranslator
+    from seq2seq.decoding.translate import TextTranslator
 
 log = logging.getLogger("seq2seq")
 
@@ -40,11 +40,11 @@ class ModelOptions:
 
 def open_translator(options: ModelOptions) -> TextTranslator:
     """The model with its stored decode settings, changed by `options.overrides`."""
-    from seq2seq.checkpoint import load_checkpoint
+    from seq2seq.decoding.ensemble import Ensemble, load_ensemble
+    from seq2seq.decoding.translate import Translator
     from seq2seq.device import resolve_device
-    from seq2seq.ensemble import Ensemble, load_ensemble
     from seq2seq.model import Seq2SeqModel
-    from seq2seq.translate import Translator
+    from seq2seq.runs.checkpoint import load_checkpoint
 
     _check_overrides(options.overrides)
     if not 0 <= options.threads <= MAX_THREADS:
@@ -84,7 +84,7 @@ def _check_overrides(overrides: Sequence[str]) -> None:
 
 def engine_of(options: ModelOptions) -> Literal["torch", "ctranslate2"]:
     """torch or ctranslate2, from the engine asked for and what the paths are; mixtures refused."""
-    from seq2seq.exported import is_exported
+    from seq2seq.deploy.exported import is_exported
 
     exported = [p for p in options.paths if is_exported(p)]
     if exported and options.engine == "torch":
@@ -102,14 +102,14 @@ def _exported_translator(options: ModelOptions) -> TextTranslator:
 
     import torch
 
-    from seq2seq.exported import CTranslate2Translator, import_ctranslate2, is_exported
+    from seq2seq.deploy.exported import CTranslate2Translator, import_ctranslate2, is_exported
 
     import_ctranslate2()  # its install hint before anything else
     path, threads = options.paths[0], options.threads or torch.get_num_threads()
     o = options
     if is_exported(path):
         return CTranslate2Translator.from_directory(path, o.device, threads, o.token_scores, o.overrides)
-    from seq2seq.export import export_ctranslate2
+    from seq2seq.deploy.export import export_ctranslate2
 
     log.info("exporting %s to CTranslate2 (float32) for this run", path)
     with tempfile.TemporaryDirectory(prefix="seq2seq-ct2-") as tmp:  # the engine holds the model in memory

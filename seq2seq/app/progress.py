@@ -21,7 +21,7 @@ def progress_bar(path: str | Path | None, total: int | None = None) -> tqdm | No
     from tqdm import tqdm
 
     if total is None and path is not None:
-        from seq2seq.inputs import count_lines
+        from seq2seq.text.inputs import count_lines
 
         try:
             total = count_lines(path)

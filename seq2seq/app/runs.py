@@ -40,8 +40,8 @@ def prepare_data(cfg: ExperimentConfig, workers: int = 0) -> None:
     """
     if not 0 <= workers <= MAX_THREADS:
         raise UsageError(f"--workers must be in [0, {MAX_THREADS}], got {workers}")
-    from seq2seq.prepare import ensure_prepared
-    from seq2seq.run_dir import RunDirectory
+    from seq2seq.runs.run_dir import RunDirectory
+    from seq2seq.text.prepare import ensure_prepared
     from seq2seq.training.finetune import read_parent
     from seq2seq.training.setup import prepared_path
 
@@ -61,8 +61,8 @@ def average(
 ) -> list[Path]:
     """Average the weights of `checkpoints` and of the `last` step checkpoints of `run_dir` into `output`;
     the checkpoints averaged."""
-    from seq2seq.checkpoint import average_checkpoints
-    from seq2seq.run_dir import RunDirectory
+    from seq2seq.runs.checkpoint import average_checkpoints
+    from seq2seq.runs.run_dir import RunDirectory
 
     if last < 1:
         raise UsageError("average --last must be at least 1")

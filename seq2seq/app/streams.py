@@ -20,13 +20,13 @@ from typing import IO, TYPE_CHECKING, BinaryIO, Literal, TypeVar
 from seq2seq.app.files import refuse_output_that_is_read
 from seq2seq.app.model import ModelOptions, engine_of, open_translator
 from seq2seq.app.progress import progress_bar
-from seq2seq.data import TOO_LONG_LINE, LongLine, decode_lines, read_lines
 from seq2seq.errors import UsageError, UserError
-from seq2seq.inputs import Record
+from seq2seq.text.corpus import TOO_LONG_LINE, LongLine, decode_lines, read_lines
+from seq2seq.text.inputs import Record
 
 if TYPE_CHECKING:
-    from seq2seq.alignment import AttentionMap, LayerChoice
-    from seq2seq.translate import TextTranslator, TranslateProgress, Translation
+    from seq2seq.decoding.alignment import AttentionMap, LayerChoice
+    from seq2seq.decoding.translate import TextTranslator, TranslateProgress, Translation
 
 T = TypeVar("T")
 
@@ -105,14 +105,14 @@ def _write(chunks: Iterable[list[str]], options: TranslateOptions) -> None:
 
 def check_options(options: TranslateOptions) -> LayerChoice:
     """Options that do not go together, a missing matplotlib, a bad layer: refused before anything runs."""
-    from seq2seq.alignment import parse_layer
+    from seq2seq.decoding.alignment import parse_layer
 
     if options.alignment and options.format != "jsonl":
         raise UsageError("--alignment needs --format jsonl (the alignments are fields of each JSON line)")
     if options.prefix_file and options.input_format == "jsonl":
         raise UsageError('give prefixes in the JSONL input ("prefix") or with --prefix-file, not both')
     if options.attention_dir:
-        from seq2seq.pictures import require_matplotlib
+        from seq2seq.decoding.pictures import require_matplotlib
 
         require_matplotlib()
     return parse_layer(options.attention_layer)
@@ -127,8 +127,8 @@ def open_for(model: ModelOptions, options: TranslateOptions) -> TextTranslator:
         raise UsageError("--attention-dir and --alignment need the PyTorch engine (a checkpoint file)")
     translator = open_translator(replace(model, token_scores=options.format == "jsonl"))
     if options.inspects:
-        from seq2seq.alignment import parse_layer, require_attention
-        from seq2seq.translate import Translator
+        from seq2seq.decoding.alignment import parse_layer, require_attention
+        from seq2seq.decoding.translate import Translator
 
         assert isinstance(translator, Translator)
         require_attention(translator.model, parse_layer(options.attention_layer))
@@ -137,7 +137,7 @@ def open_for(model: ModelOptions, options: TranslateOptions) -> TextTranslator:
 
 def read_records(source: BinaryIO, options: TranslateOptions) -> Iterator[Record]:
     """The input as records: plain lines, JSONL records, or lines with their --prefix-file line."""
-    from seq2seq import inputs
+    from seq2seq.text import inputs
 
     name = options.input or "stdin"
     lines = (_text(line) for line in decode_lines(source, name, skip_long=True))
@@ -178,7 +178,7 @@ def translate_records(
 
     `progress` is told how many more records are done after each batch.
     """
-    from seq2seq.alignment import parse_layer
+    from seq2seq.decoding.alignment import parse_layer
 
     layer, done = parse_layer(options.attention_layer), 0
     for chunk in chunks(records, size):
@@ -202,12 +202,12 @@ def translate_chunk(
     )
     maps: list[AttentionMap | None] = [None] * len(results)
     if options.inspects:
-        from seq2seq.translate import Translator
+        from seq2seq.decoding.translate import Translator
 
         assert isinstance(translator, Translator)  # open_for refused the other engines
         maps = translator.attention(results, layer, options.attention_heads)
     if options.attention_dir:
-        from seq2seq.pictures import draw, picture_path
+        from seq2seq.decoding.pictures import draw, picture_path
 
         Path(options.attention_dir).mkdir(parents=True, exist_ok=True)
         for number, amap in enumerate(maps, start=first):
@@ -265,7 +265,7 @@ def format_line(result: Translation, fmt: str, alignment: bool = False, amap: At
 def alignment_fields(amap: AttentionMap | None) -> dict[str, object]:
     """The best hypothesis' alignments: per target subword (EOS included) the index of a source subword,
     and the word alignment in Pharaoh 'i-j' form."""
-    from seq2seq.alignment import pharaoh, subword_alignment, word_alignment
+    from seq2seq.decoding.alignment import pharaoh, subword_alignment, word_alignment
 
     if amap is None:
         return {"source_pieces": [], "alignment": [], "word_alignment": ""}

@@ -31,7 +31,7 @@ from torch import Tensor
 from seq2seq.config import ExperimentConfig, from_dict
 from seq2seq.errors import ConfigError, UserError
 from seq2seq.model.embedding import sinusoidal_table
-from seq2seq.vocab import PAD
+from seq2seq.text.vocab import PAD
 
 ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "swish": "swish", "silu": "swish"}  # Marian's name -> ours
 OURS_TO_MARIAN_ACTIVATION = {"relu": "relu", "gelu": "gelu", "swish": "swish"}

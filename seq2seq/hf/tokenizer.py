@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from seq2seq.errors import UserError
-from seq2seq.tokenizer import Tokenizer
-from seq2seq.vocab import BOS, EOS, PAD, UNK
+from seq2seq.text.tokenizer import Tokenizer
+from seq2seq.text.vocab import BOS, EOS, PAD, UNK
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, BYTE, UNUSED = 1, 2, 3, 4, 6, 5  # SentencePiece's piece types
 SEGMENTING = (NORMAL, USER_DEFINED, BYTE)  # the pieces a segmentation can produce

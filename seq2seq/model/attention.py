@@ -43,7 +43,7 @@ def training_kernel(device: torch.device, precision: str) -> Kernels:
     autocast its math kernel (matmul, softmax, matmul) trained 1.31x faster on
     an AVX512-BF16 CPU, so bf16 asks for math. In fp32 on an AVX2 CPU the two
     tie (math/flash 0.96 for the quickstart model, 0.98 for 6+6 d512, with
-    rounds from 0.73 to 1.21; `scripts/bench_train.py --compare attention`),
+    rounds from 0.73 to 1.21; `scripts/bench/bench_train.py --compare attention`),
     so fp32 keeps PyTorch's choice.
     On CUDA, PyTorch prefers cuDNN's kernel for bf16 and fp16 on recent GPUs,
     and cuDNN builds (compiles) a graph for every new (batch, length) shape.
@@ -53,7 +53,7 @@ def training_kernel(device: torch.device, precision: str) -> Kernels:
     off and 52,000-89,000 in fp32 (`scripts/gpu_check.sh`, then the same bf16
     run with `torch.backends.cuda.enable_cudnn_sdp(False)`). So CUDA uses the
     flash, memory-efficient and math kernels only.
-    Decoding keeps PyTorch's choice (`scripts/bench_decode.py --compare
+    Decoding keeps PyTorch's choice (`scripts/bench/bench_decode.py --compare
     attention`); it runs in fp32, where cuDNN's kernel is not chosen.
     """
     if device.type == "cuda":

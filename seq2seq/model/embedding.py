@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from seq2seq.config import ModelConfig
 from seq2seq.model.dropout import Dropout
-from seq2seq.vocab import PAD
+from seq2seq.text.vocab import PAD
 
 
 def sinusoidal_table(n_positions: int, d_model: int) -> Tensor:

@@ -5,7 +5,7 @@ matrix. At that size PyTorch's default CPU GEMM spends about as long
 rearranging the weight for each call as multiplying; oneDNN can keep the
 weight in its own blocked layout, rearranged once, and also applies ReLU in
 the same call. On the 3+3-layer d256 model this makes greedy decoding about
-a quarter faster (`scripts/bench_decode.py`).
+a quarter faster (`scripts/bench/bench_decode.py`).
 
 The packed weights are copies, kept between batches by the model's decoding
 plan (`seq2seq.model.transformer.DecodingPlan`) and handed to each decoding

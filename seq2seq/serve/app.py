@@ -29,14 +29,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from seq2seq import __version__
-from seq2seq.alignment import HEAD_CHOICES, AttentionMap, LayerChoice
 from seq2seq.app.streams import alignment_fields
 from seq2seq.config import DecodeConfig
+from seq2seq.decoding.alignment import HEAD_CHOICES, AttentionMap, LayerChoice
+from seq2seq.decoding.translate import Translation
 from seq2seq.errors import ConfigError, UserError
 from seq2seq.serve.batcher import Batcher, Busy
 from seq2seq.serve.engine import Engine
 from seq2seq.serve.options import ServeOptions
-from seq2seq.translate import Translation
 
 log = logging.getLogger("seq2seq.serve")
 

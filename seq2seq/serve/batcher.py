@@ -27,8 +27,8 @@ from typing import TypeVar
 
 from seq2seq import interrupt
 from seq2seq.config import DecodeConfig
+from seq2seq.decoding.translate import Translation
 from seq2seq.serve.engine import Engine
-from seq2seq.translate import Translation
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")

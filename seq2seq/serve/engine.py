@@ -12,11 +12,11 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from seq2seq.alignment import AttentionMap, LayerChoice, require_attention
 from seq2seq.app.model import ModelOptions, open_translator
 from seq2seq.config import DecodeConfig, to_dict
+from seq2seq.decoding.alignment import AttentionMap, LayerChoice, require_attention
+from seq2seq.decoding.translate import TextTranslator, Translation, Translator
 from seq2seq.errors import AttentionError, DataError
-from seq2seq.translate import TextTranslator, Translation, Translator
 
 
 class Engine(Protocol):

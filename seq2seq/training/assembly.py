@@ -25,11 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
-from seq2seq.checkpoint import Progress
 from seq2seq.config import ExperimentConfig, save_config
 from seq2seq.model import Seq2SeqModel
-from seq2seq.run_dir import RunDirectory
-from seq2seq.tokenizer import Tokenizer
+from seq2seq.runs.checkpoint import Progress
+from seq2seq.runs.run_dir import RunDirectory
+from seq2seq.text.tokenizer import Tokenizer
 from seq2seq.training import distributed as dist
 from seq2seq.training import finetune
 from seq2seq.training.budget import plan_warnings

@@ -22,10 +22,10 @@ import numpy as np
 import torch
 
 from seq2seq.config import DataConfig
-from seq2seq.data import Batch, bounded_shape, bucket, collate_pairs, dropped_as
-from seq2seq.prepare import PreparedCorpus, training_sets
-from seq2seq.tokenizer import Sampling
-from seq2seq.vocab import EOS
+from seq2seq.text.corpus import Batch, bounded_shape, bucket, collate_pairs, dropped_as
+from seq2seq.text.prepare import PreparedCorpus, training_sets
+from seq2seq.text.tokenizer import Sampling
+from seq2seq.text.vocab import EOS
 
 
 def epoch_seed(seed: int, epoch: int) -> int:

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from seq2seq import checkpoint as ckpt
 from seq2seq.config import ExperimentConfig, config_changes, to_dict
 from seq2seq.errors import CheckpointError, ConfigError
-from seq2seq.run_dir import RunDirectory
+from seq2seq.runs import checkpoint as ckpt
+from seq2seq.runs.run_dir import RunDirectory
 
 log = logging.getLogger("seq2seq.train")
 

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from seq2seq.data import Batch
-from seq2seq.vocab import PAD
+from seq2seq.text.corpus import Batch
+from seq2seq.text.vocab import PAD
 
 
 class _SmoothedCrossEntropy(torch.autograd.Function):

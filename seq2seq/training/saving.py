@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
-from seq2seq.checkpoint import Checkpoint, Progress, TrainingState
 from seq2seq.config import ExperimentConfig
-from seq2seq.run_dir import RunDirectory
-from seq2seq.tokenizer import Tokenizer
+from seq2seq.runs.checkpoint import Checkpoint, Progress, TrainingState
+from seq2seq.runs.run_dir import RunDirectory
+from seq2seq.text.tokenizer import Tokenizer
 
 log = logging.getLogger("seq2seq.train")
 

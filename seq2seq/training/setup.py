@@ -10,7 +10,6 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from seq2seq.checkpoint import Checkpoint, Progress
 from seq2seq.config import (
     DataConfig,
     DecodeConfig,
@@ -21,13 +20,14 @@ from seq2seq.config import (
     config_changes,
     to_dict,
 )
-from seq2seq.data import encode_corpus, read_parallel, read_split
 from seq2seq.device import resolve_device, resolve_precision
 from seq2seq.errors import TrainingError
 from seq2seq.model import Seq2SeqModel, build_model
-from seq2seq.prepare import PreparedCorpus, ensure_prepared
-from seq2seq.run_dir import RunDirectory
-from seq2seq.tokenizer import Tokenizer, tag_line
+from seq2seq.runs.checkpoint import Checkpoint, Progress
+from seq2seq.runs.run_dir import RunDirectory
+from seq2seq.text.corpus import encode_corpus, read_parallel, read_split
+from seq2seq.text.prepare import PreparedCorpus, ensure_prepared
+from seq2seq.text.tokenizer import Tokenizer, tag_line
 from seq2seq.training import distributed as dist
 from seq2seq.training import finetune
 from seq2seq.training.epochs import EpochSource

@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from seq2seq.checkpoint import Progress
 from seq2seq.config import TrainConfig, ValidationConfig
+from seq2seq.runs.checkpoint import Progress
 
 log = logging.getLogger("seq2seq.train")
 

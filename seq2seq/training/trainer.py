@@ -1,6 +1,6 @@
 """The training loop over the parts of a run (assembly.py assembles them from a config).
 
-    RunDirectory (seq2seq.run_dir)   lock, log file, checkpoint files of this run
+    RunDirectory (seq2seq.runs.run_dir)   lock, log file, checkpoint files of this run
     EpochSource  (epochs.py)         which pairs and batches make epoch e
     UpdateStep   (update.py)         one optimizer update over a group of batches
     Validator    (validation.py)     validation loss and BLEU
@@ -29,9 +29,9 @@ import math
 import time
 from typing import Any
 
-from seq2seq.checkpoint import Progress
 from seq2seq.config import ExperimentConfig
 from seq2seq.interrupt import Interrupts
+from seq2seq.runs.checkpoint import Progress
 from seq2seq.training import distributed as dist
 from seq2seq.training import monitor
 from seq2seq.training.assembly import TrainingRun, assemble

@@ -30,10 +30,10 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from seq2seq.config import OptimConfig, TrainConfig
-from seq2seq.data import Batch
 from seq2seq.device import autocast
 from seq2seq.errors import TrainingError
 from seq2seq.model import Kernels, kernel_scope, training_kernel
+from seq2seq.text.corpus import Batch
 from seq2seq.training import distributed as dist
 from seq2seq.training.loss import batch_loss
 
@@ -48,7 +48,7 @@ def micro_batch_seed(seed: int, step: int, index: int) -> int:
 class Compiled(torch.nn.Module):
     """A model's training forward pass through `torch.compile`, one graph per batch shape.
 
-    Batches come padded to a bounded set of shapes (`seq2seq.data.bounded_shape`), and the graph computes
+    Batches come padded to a bounded set of shapes (`seq2seq.text.corpus.bounded_shape`), and the graph computes
     the logits of every position, (B, T, V); the real target positions are selected after it, since
     selecting them inside would give the graph a shape that changes every batch. Dynamo's limit of graphs
     per function is raised to cover the bounded set; `graphs()` counts the graphs built for it.
@@ -56,7 +56,7 @@ class Compiled(torch.nn.Module):
     Off by default: on a 2-core AMD EPYC CPU (avx512_bf16) Inductor took 83 s for the quickstart model's
     first update against 0.8 s eager, 15-50 s for each later shape, and the Multi30k batches of one epoch
     take 27-35 shapes (`bounded_shape`, 23% more token slots than unpadded); the first measured round ran
-    at 0.10x eager (`scripts/bench_train.py --compare compile`). Where it pays on a GPU is for
+    at 0.10x eager (`scripts/bench/bench_train.py --compare compile`). Where it pays on a GPU is for
     `scripts/gpu_check.sh` to measure.
     """
 

@@ -15,12 +15,12 @@ import torch
 
 from seq2seq import metrics
 from seq2seq.config import DecodeConfig
-from seq2seq.data import EncodedCorpus, collate, make_batches
+from seq2seq.decoding.translate import Translator
 from seq2seq.device import autocast
 from seq2seq.model import Seq2SeqModel, kernel_scope, training_kernel
-from seq2seq.tokenizer import Tokenizer
+from seq2seq.text.corpus import EncodedCorpus, collate, make_batches
+from seq2seq.text.tokenizer import Tokenizer
 from seq2seq.training.loss import batch_loss
-from seq2seq.translate import Translator
 
 
 @torch.no_grad()

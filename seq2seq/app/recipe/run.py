@@ -20,9 +20,9 @@ from seq2seq.app.recipe.results import Member, RecipeResults, TrainResult
 from seq2seq.app.recipe.state import RecipeState
 from seq2seq.app.recipe.student import StudentPlan, distill
 from seq2seq.config import ExperimentConfig, load_config
-from seq2seq.data import read_split
 from seq2seq.errors import UsageError
-from seq2seq.run_dir import RunDirectory
+from seq2seq.runs.run_dir import RunDirectory
+from seq2seq.text.corpus import read_split
 
 log = logging.getLogger("seq2seq")
 
@@ -73,7 +73,7 @@ def run_recipe(options: RecipeOptions) -> RecipeResults:
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     if not options.no_download:
-        from seq2seq.download import download_multi30k
+        from seq2seq.text.download import download_multi30k
 
         download_multi30k(d.dir, (d.src_lang, d.tgt_lang))
     top = Path(cfg.train.run_dir)

@@ -17,7 +17,7 @@ from seq2seq.app.recipe.state import RecipeState, lines_digest, stamps
 from seq2seq.app.recipe.systems import note_reused, record_of, scored, translate_once
 from seq2seq.config import ExperimentConfig
 from seq2seq.errors import UserError
-from seq2seq.run_dir import RunDirectory
+from seq2seq.runs.run_dir import RunDirectory
 
 log = logging.getLogger("seq2seq")
 

@@ -19,7 +19,7 @@ from seq2seq.app.recipe.state import RecipeState, lines_digest, stamps
 from seq2seq.app.recipe.systems import open_system, scored, translate
 from seq2seq.config import ExperimentConfig, load_config
 from seq2seq.errors import ConfigError, UserError
-from seq2seq.run_dir import RunDirectory
+from seq2seq.runs.run_dir import RunDirectory
 
 log = logging.getLogger("seq2seq")
 
@@ -113,7 +113,7 @@ def int8_student(state: RecipeState, checkpoint: Path, cfg: ExperimentConfig, te
     save = checkpoint.parent / f"{cfg.data.test}.ctranslate2_int8.{cfg.data.tgt_lang}"
 
     def export_and_test() -> tuple[Int8Result, list[Path]]:
-        from seq2seq.export import export_ctranslate2
+        from seq2seq.deploy.export import export_ctranslate2
 
         try:
             exported = export_ctranslate2(checkpoint, directory, "int8")

@@ -18,8 +18,8 @@ from seq2seq.app.evaluation import EvalSet, decode, score
 from seq2seq.app.model import Engine, ModelOptions, open_translator
 from seq2seq.app.recipe.results import Example, TestResult, TestScore
 from seq2seq.config import ExperimentConfig
-from seq2seq.data import read_lines
-from seq2seq.translate import TextTranslator
+from seq2seq.decoding.translate import TextTranslator
+from seq2seq.text.corpus import read_lines
 
 log = logging.getLogger("seq2seq")
 

@@ -34,7 +34,7 @@ from torch import Tensor
 from seq2seq.errors import AttentionError, ConfigError
 from seq2seq.model.record import AttentionRecord
 from seq2seq.model.session import Decodable
-from seq2seq.vocab import BOS
+from seq2seq.text.vocab import BOS
 
 LayerChoice = int | str
 """A 1-based decoder layer, "last" or "all"."""

@@ -1,7 +1,7 @@
 """Large-corpus benchmark: prepare throughput, disk, memory and time to the first update, against the in-memory path.
 
-    python scripts/bench_data.py --pairs 1000000            # prepared path and the in-memory baseline at 1M pairs
-    python scripts/bench_data.py --pairs 10000000 --no-baseline
+    python scripts/bench/bench_data.py --pairs 1000000            # prepared path and the in-memory baseline at 1M pairs
+    python scripts/bench/bench_data.py --pairs 10000000 --no-baseline
 
 Builds a synthetic corpus of N pairs from the Multi30k training lines (copy c of
 a line has one word dropped and two swapped, both chosen by c, so lines differ),
@@ -35,7 +35,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 
 

@@ -9,13 +9,13 @@ whose best hypothesis differs;
 `--compare attention` times PyTorch's math attention kernel, which training
 asks for on CPU (`seq2seq.model.training_kernel`), against its flash kernel,
 which `scaled_dot_product_attention` picks by itself elsewhere.
-The no-cache baseline (`seq2seq.uncached.uncached_search`) runs the same search
+The no-cache baseline (`seq2seq.decoding.uncached.uncached_search`) runs the same search
 code but recomputes the decoder over the whole prefix at every step. The
 machine's speed drifts (it may be shared), so the runs are interleaved, each
 round in mirrored order (A B B A), and the setting/baseline ratios are taken
 within each round; the report gives their medians.
 
-    .venv/bin/python scripts/bench_decode.py --checkpoint runs/bench/checkpoint_best.pt -n 1000 --rounds 3
+    .venv/bin/python scripts/bench/bench_decode.py --checkpoint runs/bench/checkpoint_best.pt -n 1000 --rounds 3
 
 With --fixed-length L every hypothesis is exactly L tokens long (min_len = max_len = L),
 which measures the cache at a controlled length whatever the checkpoint's quality.
@@ -24,14 +24,14 @@ Without a checkpoint, --train-minutes M first trains one with configs/quickstart
 `--compare engines` puts side by side, in one process and interleaved round by
 round (the order rotating): this code ("pytorch"), the code of an earlier
 commit ("before", --baseline-rev, imported from git next to the working
-tree's), and the checkpoint exported to CTranslate2 (seq2seq.export) in
+tree's), and the checkpoint exported to CTranslate2 (seq2seq.deploy.export) in
 float32 and int8. For each it reports sentences/s, the first call's latency
 (one short sentence, right after loading), the peak resident memory a run adds,
 the share of lines translated exactly as "pytorch" does and, given --ref,
 BLEU. --shapes adds random-weight models of the peer benchmark's shapes (with
 the checkpoint's vocabulary, every hypothesis forced to --shape-length tokens):
 
-    .venv/bin/python scripts/bench_decode.py --compare engines -c CKPT --src test.de.gz --ref test.en.gz \\
+    .venv/bin/python scripts/bench/bench_decode.py --compare engines -c CKPT --src test.de.gz --ref test.en.gz \\
         --shapes checkpoint,tiny,small --rounds 3
 """
 
@@ -52,13 +52,13 @@ import torch
 from bench_engines import BASELINE_REV, SHAPES, SYSTEMS
 from torch.nn.attention import SDPBackend
 
-from seq2seq.data import read_lines
+from seq2seq.decoding.search import search
+from seq2seq.decoding.translate import SearchFn, Translation, Translator
+from seq2seq.decoding.uncached import uncached_search
 from seq2seq.model import kernel_scope
-from seq2seq.search import search
-from seq2seq.translate import SearchFn, Translation, Translator
-from seq2seq.uncached import uncached_search
+from seq2seq.text.corpus import read_lines
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # --compare -> the setting, then its baseline: (name, search function, attention kernel; None: PyTorch's choice)

@@ -8,7 +8,7 @@ every field's type before anything is built from it.
 
 Safety. Files are read with `torch.load(weights_only=True)`, which unpickles
 tensors and plain containers only, never code, on a torch release without
-known bypasses (`seq2seq.security`). A sha256 over the whole content, written at save
+known bypasses (`seq2seq.runs.security`). A sha256 over the whole content, written at save
 and verified at load, catches flipped bytes. Stored shapes are checked against
 the stored config on the meta device before any model memory is allocated.
 Files are written to a temporary name, fsynced and renamed into place, so a
@@ -40,8 +40,8 @@ import torch
 from seq2seq.config import ExperimentConfig, config_changes, from_dict, to_dict
 from seq2seq.errors import CheckpointError, ConfigError
 from seq2seq.model import Seq2SeqModel, build_model
-from seq2seq.security import check_torch_version
-from seq2seq.tokenizer import Tokenizer
+from seq2seq.runs.security import check_torch_version
+from seq2seq.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """How faithfully CTranslate2 exports translate: identical lines and BLEU against the PyTorch path.
 
-    python scripts/export_fidelity.py NAME=CHECKPOINT [NAME=CHECKPOINT ...] [--out DIR] [--threads N]
+    python scripts/bench/export_fidelity.py NAME=CHECKPOINT [NAME=CHECKPOINT ...] [--out DIR] [--threads N]
 
 Each checkpoint is exported to float32 and int8 (into --out/NAME-float32, --out/NAME-int8),
 then its config's test set is translated greedy and with beam 5 (the config's length
@@ -18,11 +18,11 @@ from pathlib import Path
 import ctranslate2
 import torch
 
-from seq2seq import checkpoint
 from seq2seq.app.evaluation import EvalSet, eval_set, score
-from seq2seq.export import export_ctranslate2
-from seq2seq.exported import CTranslate2Translator
-from seq2seq.translate import TextTranslator, Translator
+from seq2seq.decoding.translate import TextTranslator, Translator
+from seq2seq.deploy.export import export_ctranslate2
+from seq2seq.deploy.exported import CTranslate2Translator
+from seq2seq.runs import checkpoint
 
 SEARCHES = {"greedy": {"strategy": "greedy"}, "beam 5": {"strategy": "beam", "beam_size": 5}}
 QUANTIZATIONS = ("float32", "int8")

@@ -9,7 +9,7 @@ ratio to one client's. The machine's speed drifts (it may be shared), so with
 --rounds R the levels are interleaved R times and each ratio is the median of
 the ratios within a round.
 
-    .venv/bin/python scripts/bench_serve.py -c runs/quickstart/checkpoint_best.pt \\
+    .venv/bin/python scripts/bench/bench_serve.py -c runs/quickstart/checkpoint_best.pt \\
         --input data/multi30k/test_2016_flickr.de --threads 2 --rounds 2
 
 Needs the serve extra (starlette, uvicorn, aiohttp): pip install -e '.[serve]'.
@@ -35,7 +35,7 @@ try:
 except ModuleNotFoundError:
     sys.exit("bench_serve.py needs aiohttp: pip install -e '.[serve]'")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = aiohttp.ClientTimeout(total=120)
 
 

@@ -7,7 +7,7 @@ operator into a few buckets, so that each speed change can be justified by
 the share it attacks. Shapes: the quickstart's (3+3, d256, ffn 1024) and a
 6+6 d512 one; the batch is about 4,000 target tokens, as in the recipes.
 
-    .venv/bin/python scripts/profile_train.py --models quickstart big --steps 5 --threads 2
+    .venv/bin/python scripts/bench/profile_train.py --models quickstart big --steps 5 --threads 2
 
 Prints, per model, the share of each bucket, the ten costliest operators and
 the rate of the matmuls (their floating-point operations over their time)
@@ -32,14 +32,14 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from seq2seq.config import ExperimentConfig, ModelConfig, OptimConfig, TrainConfig, TransformerConfig
-from seq2seq.data import Batch
 from seq2seq.device import resolve_precision
 from seq2seq.model import build_model
+from seq2seq.text.corpus import Batch
+from seq2seq.text.vocab import BOS, EOS, PAD
 from seq2seq.training.optim import build_optimizer, lr_schedule
 from seq2seq.training.update import UpdateStep
-from seq2seq.vocab import BOS, EOS, PAD
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 MODELS = {

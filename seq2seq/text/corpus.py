@@ -18,8 +18,8 @@ import numpy as np
 from seq2seq import interrupt
 from seq2seq.config import DataConfig
 from seq2seq.errors import DataError
-from seq2seq.tokenizer import Sampling, Tokenizer
-from seq2seq.vocab import BOS, EOS, PAD
+from seq2seq.text.tokenizer import Sampling, Tokenizer
+from seq2seq.text.vocab import BOS, EOS, PAD
 
 if TYPE_CHECKING:  # torch is imported where a tensor is made: the CLI starts (and takes Ctrl-C) before it loads
     import torch

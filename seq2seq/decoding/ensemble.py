@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from seq2seq.checkpoint import Loaded, load_checkpoint
 from seq2seq.errors import CheckpointError
 from seq2seq.model import AttentionRecord, Seq2SeqModel
 from seq2seq.model.session import DecodingSession
+from seq2seq.runs.checkpoint import Loaded, load_checkpoint
 
 if TYPE_CHECKING:
     from seq2seq.model import Seq2SeqRNN, Seq2SeqTransformer

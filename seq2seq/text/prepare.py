@@ -20,7 +20,7 @@ model is one line, never silent training on wrong data.
 
 Only a directory holding this manifest and nothing but these files (or an
 empty or missing one) is ever replaced: a `data.prepared_dir` that names the
-corpus, a run directory or any other tree is refused (seq2seq.owned).
+corpus, a run directory or any other tree is refused (seq2seq.runs.owned).
 Memory stays constant in the corpus size, except for the SentencePiece sample
 (`data.spm_sample` sentences at most, drawn by reservoir sampling).
 
@@ -30,7 +30,7 @@ encoding check between lines and chunks; SentencePiece, which holds its thread
 until its training ends, trains a large sample in a child process that the
 signal ends; encoding workers start deaf to signals and ignore a Ctrl-C (the
 whole group gets it, and this process ends them). A preparation killed outright
-leaves a temporary that the next `prepare` or `train` removes (seq2seq.owned).
+leaves a temporary that the next `prepare` or `train` removes (seq2seq.runs.owned).
 """
 
 from __future__ import annotations
@@ -54,9 +54,8 @@ import numpy as np
 
 from seq2seq import interrupt
 from seq2seq.config import DataConfig
-from seq2seq.data import EMPTY, TOO_LONG_LINE, LongLine, dropped_as, find_file, no_pairs, split_files, split_pairs
 from seq2seq.errors import ConfigError, DataError, UserError
-from seq2seq.owned import (
+from seq2seq.runs.owned import (
     check_replaceable,
     is_regular_file,
     make_temporary,
@@ -64,10 +63,27 @@ from seq2seq.owned import (
     remove_temporary,
     replace_directory,
 )
-from seq2seq.tokenizer import Tokenizer, read_spm_models, read_tokenizer, tag_line, tokenizer_files, train_tokenizer
-from seq2seq.vocab import EOS
+from seq2seq.text.corpus import (
+    EMPTY,
+    TOO_LONG_LINE,
+    LongLine,
+    dropped_as,
+    find_file,
+    no_pairs,
+    split_files,
+    split_pairs,
+)
+from seq2seq.text.tokenizer import (
+    Tokenizer,
+    read_spm_models,
+    read_tokenizer,
+    tag_line,
+    tokenizer_files,
+    train_tokenizer,
+)
+from seq2seq.text.vocab import EOS
 
-log = logging.getLogger("seq2seq.prepare")
+log = logging.getLogger("seq2seq.text.prepare")
 R = TypeVar("R")
 
 FORMAT = 2  # 2: shard sizes and largest ids recorded
@@ -248,7 +264,7 @@ def prepare(
 ) -> dict[str, Any]:
     """Build the prepared directory in a temporary one, then swap it in; returns the manifest.
 
-    `directory` is replaced only if it is missing, empty or an earlier preparation (seq2seq.owned)."""
+    `directory` is replaced only if it is missing, empty or an earlier preparation (seq2seq.runs.owned)."""
     directory = _check_location(d, directory)
     check_replaceable(directory, MANIFEST, OWN_FILES, "data.prepared_dir", DataError)
     tmp = make_temporary(directory)
@@ -666,7 +682,7 @@ class PreparedCorpus:
 
     @cached_property
     def side_lengths(self) -> tuple[np.ndarray, np.ndarray]:
-        """(target lengths, source lengths), uint16 a pair each: bucketing's tie-breakers (seq2seq.data.bucket).
+        """(target lengths, source lengths), uint16 a pair each: bucketing's tie-breakers (seq2seq.text.corpus.bucket).
 
         Read from the offsets when first asked for, so DataLoader workers, which only collate, never load them.
         """

@@ -3,7 +3,7 @@
 `UncachedModel` starts decoding sessions (seq2seq.model.session) that search
 drives like any model's, but each step reruns the decoder's teacher-forced
 `forward` over the whole prefix (quadratic in the length), the way training
-computes it. Used by tests/test_search.py and scripts/bench_decode.py; nothing
+computes it. Used by tests/test_search.py and scripts/bench/bench_decode.py; nothing
 else should decode this way.
 """
 
@@ -13,12 +13,12 @@ import torch
 from torch import Tensor
 
 from seq2seq.config import DecodeConfig
+from seq2seq.decoding.search import Hypothesis, search
 from seq2seq.model import Seq2SeqTransformer
 from seq2seq.model.attention import attention_mask
 from seq2seq.model.record import AttentionRecord
 from seq2seq.model.session import Decodable
 from seq2seq.model.transformer import Decoder
-from seq2seq.search import Hypothesis, search
 
 
 class UncachedSession:
@@ -73,5 +73,5 @@ def uncached_search(
     limit: int,
     prefix: Tensor | None = None,
 ) -> list[list[Hypothesis]]:
-    """`seq2seq.search.search` without the key/value cache."""
+    """`seq2seq.decoding.search.search` without the key/value cache."""
     return search(UncachedModel(model), src, src_pad_mask, cfg, limit, prefix)

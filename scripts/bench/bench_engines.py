@@ -5,7 +5,7 @@ Systems (each a function from source lines to translations):
 - before: `Translator` from the package as it was at --baseline-rev, extracted
   with `git archive` and imported under the same name next to the working
   tree's (its modules keep references to each other, so both run in one process);
-- ct2-float32, ct2-int8: the checkpoint exported with `seq2seq.export` and
+- ct2-float32, ct2-int8: the checkpoint exported with `seq2seq.deploy.export` and
   decoded by CTranslate2 with the closest settings it has. Its length penalty
   is not GNMT's (it divides by length ** alpha), it has no max_len_a, and it
   does not forbid PAD and BOS as search.py does (which only an untrained model
@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BASELINE_REV = "82e8be1"  # the last commit before the preallocated cache and the rest of the decoding work
 SYSTEMS = ("before", "pytorch", "ct2-float32", "ct2-int8")
 # The peer benchmark's shapes (common.CONFIGS): post-norm, ReLU, sinusoidal, all embeddings shared.
@@ -61,7 +61,7 @@ class Result:
 
 
 def compare_engines(args: argparse.Namespace, checkpoint: Path) -> None:
-    from seq2seq.data import read_lines
+    from seq2seq.text.corpus import read_lines
 
     lines = [line for line in read_lines(args.src) if line.strip()][: args.n]
     refs = [r for s, r in zip(read_lines(args.src), read_lines(args.ref)) if s.strip()][: args.n] if args.ref else []
@@ -132,19 +132,19 @@ def load(
     threads: int,
 ) -> Translate:
     if name in ("pytorch", "before"):
-        from seq2seq import translate
+        from seq2seq.decoding import translate
 
         module = translate if name == "pytorch" else before
         assert module is not None
         translator = module.Translator.from_checkpoint(model, **settings)
         return lambda lines: list(translator.translate(lines))
     if name in exported and "min_len" in settings and settings["min_len"] == settings["max_len"]:  # equal work
-        from seq2seq.translate import Translator
+        from seq2seq.decoding.translate import Translator
 
         translator = Translator.from_checkpoint(model, **settings)  # its tokenizer and checked settings
         return forced_ct2_translate(exported[name], translator.tokenizer, translator.decode, threads)
     if name in exported:  # what `seq2seq translate -c DIR` runs
-        from seq2seq.exported import CTranslate2Translator
+        from seq2seq.deploy.exported import CTranslate2Translator
 
         engine = CTranslate2Translator.from_directory(exported[name], threads=threads, **settings)
         return lambda lines: list(engine.translate(lines))
@@ -176,16 +176,16 @@ def forced_ct2_translate(directory: Path, tokenizer: Any, decode: Any, threads: 
 
 
 def export(model: Path, directory: Path, systems: Sequence[str]) -> dict[str, Path]:
-    from seq2seq.export import export_ctranslate2
+    from seq2seq.deploy.export import export_ctranslate2
 
     return {name: export_ctranslate2(model, directory / name, name.removeprefix("ct2-")) for name in systems}
 
 
 def random_checkpoint(checkpoint: Path, shape: str, directory: Path) -> Path:
     """A checkpoint with the checkpoint's tokenizer and a random-weight (seed 0) model of the peer shape."""
-    from seq2seq.checkpoint import Checkpoint, read, save
     from seq2seq.config import TransformerConfig
     from seq2seq.model import build_model
+    from seq2seq.runs.checkpoint import Checkpoint, read, save
 
     if shape not in SHAPES:
         raise SystemExit(f"bench_decode: unknown shape {shape!r}; choose from checkpoint, {', '.join(SHAPES)}")
@@ -211,7 +211,7 @@ def random_checkpoint(checkpoint: Path, shape: str, directory: Path) -> Path:
 
 
 def import_package_at(rev: str) -> ModuleType:
-    """`seq2seq.translate` as it was at git revision `rev`, loaded next to the working tree's package.
+    """`seq2seq.decoding.translate` as it was at git revision `rev`, loaded next to the working tree's package.
 
     The old modules are imported under their own names while the current ones
     are set aside, then set aside in turn: each package's functions keep
@@ -234,7 +234,7 @@ def import_package_at(rev: str) -> ModuleType:
         del sys.modules[name]
     sys.path.insert(0, directory)
     try:
-        return importlib.import_module("seq2seq.translate")
+        return importlib.import_module("seq2seq.decoding.translate")
     finally:
         sys.path.remove(directory)
         for name in [name for name in sys.modules if name.split(".")[0] == "seq2seq"]:

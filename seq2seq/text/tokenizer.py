@@ -17,7 +17,7 @@ from pathlib import Path
 import sentencepiece as spm
 
 from seq2seq.errors import UserError
-from seq2seq.vocab import BOS, EOS, PAD, UNK
+from seq2seq.text.vocab import BOS, EOS, PAD, UNK
 
 TAG = re.compile(r"<2(.+)>")
 

@@ -10,8 +10,8 @@ median. `--busy` keeps one core busy with a spinning process during the runs,
 as a neighbour would. `bf16-exact-rows` is bf16 with `seq2seq.device.row_bucket`
 replaced by the identity, i.e. the behaviour before `BoundedRows` existed.
 
-    .venv/bin/python scripts/bench_memory.py --steps 500
-    .venv/bin/python scripts/bench_memory.py --steps 300 --settings fp32 bf16 --busy
+    .venv/bin/python scripts/bench/bench_memory.py --steps 500
+    .venv/bin/python scripts/bench/bench_memory.py --steps 300 --settings fp32 bf16 --busy
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = {
     "fp32": ("fp32", False),
     "bf16": ("bf16", False),

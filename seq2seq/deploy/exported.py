@@ -1,6 +1,6 @@
 """Translate with a CTranslate2 model directory written by `seq2seq export`.
 
-The text pipeline is the PyTorch path's (seq2seq.translate.TextTranslator):
+The text pipeline is the PyTorch path's (seq2seq.decoding.translate.TextTranslator):
 the same tokenization, truncation, batching, prefixes, empty lines, n-best,
 scores and JSONL output; only the search runs in CTranslate2. The decode
 settings map onto its options:
@@ -34,7 +34,7 @@ them) keep files as links to blobs: the link is followed and its target checked.
 A directory exported before the manifest existed loads with a warning that its
 files are not checked.
 
-`ctranslate2` is an optional extra (`pip install -e ".[export]"`), imported only here and in seq2seq.export.
+`ctranslate2` is an optional extra (`pip install -e ".[export]"`), imported only here and in seq2seq.deploy.export.
 """
 
 from __future__ import annotations
@@ -48,13 +48,13 @@ from typing import Any, TypeVar
 import torch
 
 from seq2seq.config import DecodeConfig, ExperimentConfig, dotted, from_dict, load_config, migrate_model, to_dict
-from seq2seq.data import pad
+from seq2seq.decoding.search import Hypothesis, length_penalty, max_lengths
+from seq2seq.decoding.translate import TextTranslator
 from seq2seq.errors import UserError
-from seq2seq.owned import sha256_file
-from seq2seq.search import Hypothesis, length_penalty, max_lengths
-from seq2seq.tokenizer import Tokenizer, read_tokenizer, tokenizer_files
-from seq2seq.translate import TextTranslator
-from seq2seq.vocab import BOS, EOS, PAD, UNK
+from seq2seq.runs.owned import sha256_file
+from seq2seq.text.corpus import pad
+from seq2seq.text.tokenizer import Tokenizer, read_tokenizer, tokenizer_files
+from seq2seq.text.vocab import BOS, EOS, PAD, UNK
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +244,7 @@ class CTranslate2Translator(TextTranslator):
 
 
 def _limits(sources: list[list[int]], prefixes: list[list[int]] | None, cfg: DecodeConfig, limit: int) -> list[int]:
-    """Tokens allowed before EOS per sentence, as seq2seq.search.max_lengths computes them."""
+    """Tokens allowed before EOS per sentence, as seq2seq.decoding.search.max_lengths computes them."""
     lengths = torch.tensor([len(s) for s in sources])
     pad_mask = torch.arange(int(lengths.max()))[None, :] >= lengths[:, None]  # (B, S)
     prefix = pad([p or [PAD] for p in prefixes]) if prefixes else None

@@ -15,7 +15,7 @@ also in the `auto` precision; `--compare compile` sets the eager model against
 compiled model's first update (the compilation) and its number of graphs;
 `--compare batching` sets batches cut from pairs sorted by their longer side
 only against the trainer's, whose pairs of equal longer side are also sorted
-by target and source length (`seq2seq.data.bucket`): the same update on
+by target and source length (`seq2seq.text.corpus.bucket`): the same update on
 batches of the same token budget with less padding. Its batches differ, so it
 times the first `--rounds x --steps` batches of each epoch order and also
 prints the padding of each order over the whole epoch.
@@ -44,8 +44,8 @@ interleaved round by round (the order alternating) on the same batches, and
 each round yields a ratio (second setting over first); the report gives medians. Compare
 numbers only within one run.
 
-    .venv/bin/python scripts/bench_train.py --rounds 5 --steps 2
-    .venv/bin/python scripts/bench_train.py --spm runs/quickstart/spm.model --models big
+    .venv/bin/python scripts/bench/bench_train.py --rounds 5 --steps 2
+    .venv/bin/python scripts/bench/bench_train.py --spm runs/quickstart/spm.model --models big
 
 What it found on the development machine (AMD EPYC, 2 cores, torch 2.13 CPU,
 avx512_bf16 but no AMX; `--rounds 5 --steps 2`, batches of 3,686 target
@@ -75,16 +75,16 @@ import torch
 from torch.nn.attention import SDPBackend
 
 from seq2seq.config import ExperimentConfig, load_config
-from seq2seq.data import Batch, bucket, collate_pairs, read_parallel
 from seq2seq.device import resolve_precision
 from seq2seq.model import Kernels, training_kernel
-from seq2seq.tokenizer import Tokenizer, train_tokenizer
+from seq2seq.text.corpus import Batch, bucket, collate_pairs, read_parallel
+from seq2seq.text.tokenizer import Tokenizer, train_tokenizer
 from seq2seq.training.assembly import TrainingRun, assemble
 from seq2seq.training.epochs import epoch_seed
 from seq2seq.training.trainer import Trainer
 from seq2seq.training.update import Launched, UpdateStep
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 MODELS = {

@@ -7,7 +7,7 @@ The output directory holds the CTranslate2 model, its vocabularies, the
 SentencePiece model(s) that turn text into the pieces it expects, and the
 experiment config (`seq2seq.yaml`: languages, test set, decode defaults), so
 that `seq2seq translate -c DIR` and `seq2seq evaluate -c DIR` run it
-(seq2seq.exported). Outside this project:
+(seq2seq.deploy.exported). Outside this project:
 
     import ctranslate2, sentencepiece as spm
     sp = spm.SentencePieceProcessor(model_file="DIR/spm.model")
@@ -17,7 +17,7 @@ that `seq2seq translate -c DIR` and `seq2seq evaluate -c DIR` run it
 
 The source EOS is appended by CTranslate2 (`add_source_eos`), as `translate` does.
 `seq2seq-manifest.json` records the sizes and sha256 of the files, checked when
-the directory is loaded (seq2seq.exported). The export is built in a temporary
+the directory is loaded (seq2seq.deploy.exported). The export is built in a temporary
 directory beside the output and moved in place: an existing output is replaced
 only when it is empty or an earlier export (its manifest and only its files).
 
@@ -34,17 +34,17 @@ from typing import Any
 import numpy as np
 from torch import Tensor, nn
 
-from seq2seq.checkpoint import Checkpoint, read
 from seq2seq.config import save_config
+from seq2seq.deploy.exported import CONFIG, MANIFEST, import_ctranslate2, write_manifest
 from seq2seq.errors import UserError
-from seq2seq.exported import CONFIG, MANIFEST, import_ctranslate2, write_manifest
 from seq2seq.model import Seq2SeqTransformer
 from seq2seq.model.attention import MultiHeadAttention
 from seq2seq.model.layers import DecoderLayer, EncoderLayer, FeedForward
 from seq2seq.model.transformer import Decoder, Encoder
-from seq2seq.owned import check_replaceable, make_temporary, remove_temporary, replace_directory
-from seq2seq.tokenizer import Tokenizer
-from seq2seq.vocab import BOS, EOS, UNK
+from seq2seq.runs.checkpoint import Checkpoint, read
+from seq2seq.runs.owned import check_replaceable, make_temporary, remove_temporary, replace_directory
+from seq2seq.text.tokenizer import Tokenizer
+from seq2seq.text.vocab import BOS, EOS, UNK
 
 OWN_FILES = re.compile(
     r"model\.bin|config\.json|(shared|source|target)_vocabulary\.(json|txt)|spm(\.src|\.tgt)?\.model"

@@ -1,6 +1,6 @@
 """Validation BLEU of a checkpoint over a grid of beam sizes and length penalties.
 
-    python scripts/decode_grid.py runs/m30k_en_de/checkpoint_avg10.pt --beams 1 5 10 --alphas 0.6 1.0 1.4
+    python scripts/bench/decode_grid.py runs/m30k_en_de/checkpoint_avg10.pt --beams 1 5 10 --alphas 0.6 1.0 1.4
 
 Tunes decoding on val (never on test): prints a markdown table of sacreBLEU
 (cased, detokenized) with beam sizes as rows and GNMT length-penalty alphas as
@@ -14,8 +14,8 @@ import argparse
 import torch
 
 from seq2seq import metrics
-from seq2seq.data import find_file, read_lines
-from seq2seq.translate import Translator
+from seq2seq.decoding.translate import Translator
+from seq2seq.text.corpus import find_file, read_lines
 
 
 def main() -> None:

@@ -34,7 +34,7 @@ import uuid
 from pathlib import Path
 from typing import IO
 
-from seq2seq import checkpoint as ckpt
+from seq2seq.runs import checkpoint as ckpt
 from seq2seq.errors import RunDirError
 
 log = logging.getLogger("seq2seq.train")

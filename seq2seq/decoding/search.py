@@ -58,7 +58,7 @@ from torch import Tensor
 from seq2seq import interrupt
 from seq2seq.config import DecodeConfig
 from seq2seq.model.session import Decodable, DecodingSession
-from seq2seq.vocab import BOS, EOS, PAD, UNK
+from seq2seq.text.vocab import BOS, EOS, PAD, UNK
 
 NEG_INF = float("-inf")
 

@@ -15,11 +15,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from seq2seq.alignment import AttentionMap, LayerChoice
+from seq2seq.decoding.alignment import AttentionMap, LayerChoice
 from seq2seq.errors import UserError
 
 if TYPE_CHECKING:
-    from seq2seq.translate import Translation, Translator
+    from seq2seq.decoding.translate import Translation, Translator
 
 DPI = 100
 CELL = 0.3  # inches per subword, unless the figure would grow past MAX_INCHES

@@ -5,7 +5,7 @@ Sentences are sorted by length, grouped into batches by a token budget
 order. Search is batch-invariant, so the grouping changes speed, not output.
 Inputs longer than decode.max_input_len (or the model's positions) are
 truncated with a warning; empty lines translate to empty lines. A line may come
-with a target prefix, which its translation starts with (seq2seq.search).
+with a target prefix, which its translation starts with (seq2seq.decoding.search).
 """
 
 from __future__ import annotations
@@ -22,17 +22,17 @@ import torch
 from torch import Tensor
 
 from seq2seq import interrupt
-from seq2seq.alignment import AttentionMap, LayerChoice, model_attention, require_attention
-from seq2seq.checkpoint import load_checkpoint
 from seq2seq.config import DataConfig, DecodeConfig, from_dict, replace_checked, to_dict
-from seq2seq.data import make_batches, pad
-from seq2seq.ensemble import Ensemble
+from seq2seq.decoding.alignment import AttentionMap, LayerChoice, model_attention, require_attention
+from seq2seq.decoding.ensemble import Ensemble
+from seq2seq.decoding.search import Hypothesis, search
 from seq2seq.errors import DataError
 from seq2seq.model import Seq2SeqModel
 from seq2seq.model.session import Decodable
-from seq2seq.search import Hypothesis, search
-from seq2seq.tokenizer import Tokenizer, tag_line
-from seq2seq.vocab import EOS, PAD
+from seq2seq.runs.checkpoint import load_checkpoint
+from seq2seq.text.corpus import make_batches, pad
+from seq2seq.text.tokenizer import Tokenizer, tag_line
+from seq2seq.text.vocab import EOS, PAD
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class TextTranslator:
     batching by decode.max_tokens, detokenization and input order.
 
     Subclasses search batches of subword ids: `Translator` with this project's
-    models, `seq2seq.exported.CTranslate2Translator` with an exported model.
+    models, `seq2seq.deploy.exported.CTranslate2Translator` with an exported model.
     `decode` is the one place that holds the search settings; `data`, when the
     model comes from a checkpoint, is its experiment's data section (languages
     and splits): `seq2seq evaluate` finds its default test set there.
@@ -121,7 +121,7 @@ class TextTranslator:
 
         `first_line` numbers the lines in warnings (for input read in chunks).
         `prefixes`, one per line ("" for none), are forced at the start of each
-        translation and scored like the rest (seq2seq.search).
+        translation and scored like the rest (seq2seq.decoding.search).
         `progress` is told how many more lines are done after each batch.
         `tgt_langs`, one per line ("" for none), are the target languages (`tagged` checks them).
         """
@@ -229,7 +229,7 @@ class Translator(TextTranslator):
         super().__init__(tokenizer, decode, data)
         self.model = model
         self.device = torch.device(device)
-        self.search_fn = search_fn  # scripts/bench_decode.py swaps in seq2seq.uncached.uncached_search
+        self.search_fn = search_fn  # scripts/bench/bench_decode.py swaps in seq2seq.decoding.uncached.uncached_search
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, device: str | torch.device = "cpu", **decode: object) -> Translator:
@@ -263,7 +263,7 @@ class Translator(TextTranslator):
 
         `layer`: a decoder layer from 1, "last" or "all"; `heads`: "mean" (averaged)
         or "each". The hypothesis is re-scored by a teacher-forced pass
-        (seq2seq.alignment says why), batched like translation.
+        (seq2seq.decoding.alignment says why), batched like translation.
         """
         require_attention(self.model, layer)
         maps: list[AttentionMap | None] = [None for _ in translations]
