@@ -11,6 +11,7 @@ with one is a `UserError` naming the file: one line, exit 1.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -19,11 +20,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from seq2seq import checkpoint as ckpt
 from seq2seq.config import save_config
 from seq2seq.errors import CheckpointError, UserError
 from seq2seq.hf import marian, tokenizer
-from seq2seq.runs import checkpoint as ckpt
-from seq2seq.runs.owned import check_replaceable, make_temporary, remove_temporary, replace_directory
+from seq2seq.owned import check_replaceable, make_temporary, remove_temporary, replace_directory
+
+log = logging.getLogger("seq2seq")
 
 MARKER = "seq2seq-hf.json"  # written into every export: the directory is ours to replace
 OWN_FILES = re.compile(
@@ -145,6 +148,13 @@ def import_marian(directory: str | Path) -> ckpt.Checkpoint:
     src_proto = tokenizer.rewrite_spm(_bytes(d / "source.spm"), src_pieces, src_order, str(d / "source.spm"))
     tgt_proto = tokenizer.rewrite_spm(_bytes(d / "target.spm"), tgt_pieces, tgt_order, str(d / "target.spm"))
     tok = tokenizer.build_tokenizer(src_proto, tgt_proto, str(d))
+    codes = [p for p in src_pieces if re.fullmatch(r">>\w+<<", p)]
+    if codes:  # MarianTokenizer splits a leading >>xx<< off before SentencePiece; our segmentation does not
+        log.warning(
+            "%s: its language tokens (%s) are not handled: the source is segmented as plain text",
+            d,
+            ", ".join(codes[:3]) + (", ..." if len(codes) > 3 else ""),
+        )
     config = settings.experiment(
         _language(tok_config.get("source_lang"), "src"), _language(tok_config.get("target_lang"), "tgt"), len(src_order)
     )
