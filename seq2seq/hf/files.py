@@ -20,11 +20,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from seq2seq import checkpoint as ckpt
 from seq2seq.config import save_config
 from seq2seq.errors import CheckpointError, UserError
 from seq2seq.hf import marian, tokenizer
-from seq2seq.owned import check_replaceable, make_temporary, remove_temporary, replace_directory
+from seq2seq.runs import checkpoint as ckpt
+from seq2seq.runs.owned import check_replaceable, make_temporary, remove_temporary, replace_directory
 
 log = logging.getLogger("seq2seq")
 
