@@ -578,6 +578,11 @@ class CheckpointConfig(Section):
     average_last: int = setting(
         0, "how many last checkpoints to average at the end of training (0: off; a warning if fewer were kept)", min=0
     )
+    format: Literal["torch", "safetensors"] = setting(
+        "torch",
+        "the file format of the checkpoints written (`safetensors`: nothing unpickled when read; needs the `hf` "
+        "extra); either is read, with the same checks",
+    )
 
     def check(self) -> None:
         self.require(

@@ -8,7 +8,9 @@ every field's type before anything is built from it.
 
 Safety. Files are read with `torch.load(weights_only=True)`, which unpickles
 tensors and plain containers only, never code, on a torch release without
-known bypasses (`seq2seq.runs.security`). A sha256 over the whole content, written at save
+known bypasses (`seq2seq.runs.security`); with `checkpoint.format: safetensors` they are
+safetensors files (`seq2seq.runs.tensorfile`: the tensors, and the rest as JSON), read
+with nothing unpickled, into the same content. A sha256 over the whole content, written at save
 and verified at load, catches flipped bytes. Stored shapes are checked against
 the stored config on the meta device before any model memory is allocated.
 Files are written to a temporary name, fsynced and renamed into place, so a
@@ -40,6 +42,7 @@ import torch
 from seq2seq.config import ExperimentConfig, config_changes, from_dict, to_dict
 from seq2seq.errors import CheckpointError, ConfigError
 from seq2seq.model import Seq2SeqModel, build_model
+from seq2seq.runs import tensorfile
 from seq2seq.runs.security import check_torch_version
 from seq2seq.text.tokenizer import Tokenizer
 
@@ -315,7 +318,7 @@ def save(path: str | Path, checkpoint: Checkpoint) -> None:
     """Write `checkpoint` atomically, with its content checksum, every tensor in CPU memory."""
     raw = _on_cpu(checkpoint.to_dict(), {})
     raw["sha256"] = content_hash(raw)
-    atomic_save(raw, path)
+    atomic_save(raw, path, safetensors=checkpoint.config.checkpoint.format == "safetensors")
 
 
 def _on_cpu(value: Any, copies: dict[tuple[Any, ...], torch.Tensor]) -> Any:
@@ -358,6 +361,8 @@ def _load(path: Path) -> Any:
     if not path.is_file():
         raise CheckpointError(f"checkpoint not found: {path}")
     if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; anything else is not ours
+        if tensorfile.is_tensorfile(path):  # but checkpoint.format: safetensors
+            return _load_tensorfile(path)
         raise CheckpointError(f"{path}: not a readable checkpoint (corrupt or truncated, or not written by torch.save)")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
@@ -398,8 +403,23 @@ def peek_step(path: str | Path) -> int | None:
     return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
+def _load_tensorfile(path: Path) -> Any:
+    """A checkpoint written with checkpoint.format: safetensors, as the tree torch.save would have stored."""
+    try:
+        return tensorfile.decode(path)
+    except ImportError:
+        raise CheckpointError(
+            f'{path}: a safetensors checkpoint; reading it needs safetensors: pip install -e ".[hf]"'
+        ) from None
+    except tensorfile.TensorFileError as e:
+        raise CheckpointError(f"{path}: not a readable checkpoint: {e}") from None
+
+
 def _peek(path: str | Path) -> dict[str, Any] | None:
     try:
+        if tensorfile.is_tensorfile(path):
+            raw = tensorfile.read_metadata(path)  # the header alone: no tensor is read
+            return raw if isinstance(raw, dict) and raw.get("format") == FORMAT else None
         raw = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:  # any unreadable file simply belongs to no run
         return None
@@ -484,8 +504,9 @@ def check_loadable(tensor: torch.Tensor, what: str) -> None:
         raise CheckpointError(f"{what} is on the {tensor.device.type} device, without data")
 
 
-def atomic_save(obj: Any, path: str | Path) -> None:
-    """torch.save to a hidden temporary file in the same directory, fsync, then rename over `path`.
+def atomic_save(obj: Any, path: str | Path, safetensors: bool = False) -> None:
+    """torch.save (or, with `safetensors`, seq2seq.runs.tensorfile) to a hidden temporary file in the same
+    directory, fsync, then rename over `path`.
 
     The rename is atomic, so `path` always holds a complete file, old or new,
     whenever the process dies (kill -9 included). The directory is fsynced too,
@@ -494,11 +515,15 @@ def atomic_save(obj: Any, path: str | Path) -> None:
     A full disk (or any other write failure) leaves the old file and says so in one line.
     """
     path = Path(path)
+    data = _tensorfile_bytes(obj, path) if safetensors else None
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=_TMP_SUFFIX)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            if data is None:
+                torch.save(obj, f)
+            else:
+                f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -511,6 +536,15 @@ def atomic_save(obj: Any, path: str | Path) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     _fsync_directory(path.parent)
+
+
+def _tensorfile_bytes(obj: Any, path: Path) -> bytes:
+    try:
+        return tensorfile.encode(obj)
+    except ImportError:
+        raise CheckpointError(
+            f'cannot write {path}: checkpoint.format: safetensors needs safetensors: pip install -e ".[hf]"'
+        ) from None
 
 
 def _fsync_directory(directory: Path) -> None:
