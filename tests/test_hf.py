@@ -17,6 +17,7 @@ sentences well before the limit (which the test checks).
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from conftest import TINY, reversal_pairs, tiny_overrides, write_corpus
 from seq2seq.cli import main
 from seq2seq.config import replace_checked
 from seq2seq.decoding.translate import Translator
+from seq2seq.errors import UserError
 from seq2seq.runs import checkpoint as ckpt
 
 transformers = pytest.importorskip("transformers")
@@ -377,3 +379,33 @@ def test_sharded_safetensors_import_alike(marian_dirs: dict[str, Path], tmp_path
         shutil.copy(directory / name, copy / name)
     expected, got = import_marian(directory).model, import_marian(copy).model
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+def test_spm_pieces_the_vocabulary_lacks_are_a_warning_and_most_of_them_an_error(
+    marian_dirs: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """OPUS-MT vocabularies come from segmented text, so a piece its text never produced may be missing."""
+    copy = tmp_path / "fewer"
+    shutil.copytree(marian_dirs["separate-relu-unscaled-untied"], copy)
+    vocab = json.loads((copy / "vocab.json").read_text(encoding="utf-8"))
+    rare = max(vocab, key=vocab.__getitem__)  # the last piece: renumbering nothing else
+    del vocab[rare]
+    (copy / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+    config = json.loads((copy / "config.json").read_text(encoding="utf-8"))
+    config["vocab_size"] -= 1
+    (copy / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(copy / "model.safetensors"))
+    weights["model.encoder.embed_tokens.weight"] = weights["model.encoder.embed_tokens.weight"][:-1].clone()
+    save_file(weights, str(copy / "model.safetensors"))
+    with caplog.at_level(logging.WARNING, logger="seq2seq"):
+        stored = import_marian(copy)
+    assert f"(e.g. {rare!r})" in caplog.text and "<unk>" in caplog.text
+    assert rare not in [stored.tokenizer.src.id_to_piece(i) for i in range(stored.tokenizer.src_vocab_size)]
+    keep = {p: i for i, p in enumerate(["</s>", "<unk>", "<pad>", *list(vocab)[3:6]])}
+    (copy / "vocab.json").write_text(json.dumps(keep), encoding="utf-8")
+    config["vocab_size"] = len(keep)
+    (copy / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    with pytest.raises(UserError, match="do not belong together"):
+        import_marian(copy)

@@ -14,19 +14,25 @@ scores (so it segments exactly as before), laid out in our id order:
 Marian starts decoding with its pad token, so that row becomes our BOS; our
 PAD is a new row that search never emits. A vocabulary entry the side's
 SentencePiece model cannot produce (the other language's pieces in a shared
-vocabulary) stays, as an unused piece: the model may still emit it. Export
+vocabulary) stays, as an unused piece: the model may still emit it. A piece
+of the SentencePiece model the vocabulary lacks (its text never produced it)
+is left out, with a warning: Marian maps it to <unk>, this segmentation uses
+smaller pieces instead; most pieces lacking is an error. Export
 goes the other way (`marian_vocab`): our id i > 0 is Marian id i - 1, with
 pad (the decoder start) = 1.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 from seq2seq.errors import UserError
 from seq2seq.text.tokenizer import Tokenizer
 from seq2seq.text.vocab import BOS, EOS, PAD, UNK
+
+log = logging.getLogger("seq2seq")
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, BYTE, UNUSED = 1, 2, 3, 4, 6, 5  # SentencePiece's piece types
 SEGMENTING = (NORMAL, USER_DEFINED, BYTE)  # the pieces a segmentation can produce
@@ -63,10 +69,19 @@ def rewrite_spm(spm: bytes, pieces: Sequence[str], order: Sequence[int], what: s
     original = {p.piece: p for p in model.pieces}
     known = set(pieces)
     missing = [p.piece for p in model.pieces if p.type in SEGMENTING and p.piece not in known]
-    if missing:
+    segmenting = sum(p.type in SEGMENTING for p in model.pieces)
+    if len(missing) * 2 > segmenting:  # most of them: the files do not belong together
         raise UserError(
-            f"{what}: {len(missing)} of its pieces are not in the vocabulary (e.g. {missing[0]!r}); "
-            "its segmentations would have no ids"
+            f"{what}: {len(missing)} of its {segmenting} pieces are not in the vocabulary (e.g. {missing[0]!r}); "
+            "the SentencePiece model and the vocabulary do not belong together"
+        )
+    if missing:  # a few (pieces the vocabulary's text never produced): Marian maps them to <unk>, we leave them out
+        log.warning(
+            "%s: %d of its pieces are not in the vocabulary (e.g. %r): MarianTokenizer gives <unk> for them, "
+            "here they are segmented into smaller pieces",
+            what,
+            len(missing),
+            missing[0],
         )
     pad_name = next(name for name in ("<pad>", "<pad0>", "<seq2seq-pad>") if name not in known)
     del model.pieces[:]
