@@ -188,10 +188,11 @@ class CTranslate2Translator(TextTranslator):
         src = [self.tokenizer.src_pieces(seq[:-1]) for seq in sources]  # CTranslate2 appends EOS
         found: list[list[list[str]]] = [[] for _ in sources]  # pieces of each hypothesis, without EOS
         scores: list[list[float | None]] = [[] for _ in sources]  # None: to be scored again
+        options = engine_options(self.decode, self.tokenizer)
         for limit, rows in groups.items():
             prefix = [self.tokenizer.tgt_pieces(prefixes[i]) or None for i in rows] if prefixes else None
             results = self.engine.translate_batch(
-                [src[i] for i in rows], prefix, max_decoding_length=limit, return_scores=True, **self._options()
+                [src[i] for i in rows], prefix, max_decoding_length=limit, return_scores=True, **options
             )
             for i, result in zip(rows, results):
                 for pieces, score in zip(result.hypotheses, result.scores):
@@ -204,43 +205,46 @@ class CTranslate2Translator(TextTranslator):
             scored = self.engine.score_batch([src[i] for i, _ in rescore], [found[i][k] for i, k in rescore])
             logprobs = {key: list(result.log_probs) for key, result in zip(rescore, scored)}
         return [
-            self._hypotheses(found[i], scores[i], [logprobs.get((i, k)) for k in range(len(found[i]))])
+            hypotheses(found[i], scores[i], [logprobs.get((i, k)) for k in range(len(found[i]))], self)
             for i in range(len(sources))
         ]
 
-    def _options(self) -> dict[str, Any]:
-        cfg = self.decode
-        suppressed = [PAD, BOS, UNK] if cfg.suppress_unk else [PAD, BOS]
-        options: dict[str, Any] = {
-            "beam_size": cfg.beam_size if cfg.strategy == "beam" else 1,
-            "num_hypotheses": cfg.beam_size if cfg.strategy == "beam" else 1,
-            "length_penalty": cfg.length_penalty,
-            "min_decoding_length": cfg.min_len,
-            "no_repeat_ngram_size": cfg.no_repeat_ngram,
-            "suppress_sequences": [self.tokenizer.tgt_pieces([i]) for i in suppressed],
-            "max_input_length": 0,  # truncated before, as decode.max_input_len says
-        }
-        if cfg.strategy == "sample":
-            top_k = min(cfg.top_k, self.tokenizer.tgt_vocab_size)  # CTranslate2 refuses more; torch takes the min too
-            options.update(sampling_topk=top_k, sampling_topp=cfg.top_p, sampling_temperature=cfg.temperature)
-        return options
 
-    def _hypotheses(
-        self, found: list[list[str]], scores: list[float | None], logprobs: list[list[float] | None]
-    ) -> list[Hypothesis]:
-        """CTranslate2's hypotheses as this project's: token ids ending with EOS, GNMT-normalised scores."""
-        alpha = self.decode.length_penalty
-        hypotheses = []
-        for pieces, score, per_token in zip(found, scores, logprobs):
-            ids = [self.tokenizer.tgt.piece_to_id(p) for p in pieces] + [EOS]
-            if per_token is not None:
-                total = sum(per_token)
-            else:  # CTranslate2's score is the sum over length**alpha, EOS counted
-                assert score is not None
-                total = score * len(ids) ** alpha
-            hypotheses.append(Hypothesis(ids, total / float(length_penalty(len(ids), alpha)), per_token or []))
-        hypotheses.sort(key=lambda h: -h.score)
-        return hypotheses[: self.decode.nbest if self.decode.strategy == "beam" else 1]
+def engine_options(cfg: DecodeConfig, tokenizer: Tokenizer) -> dict[str, Any]:
+    """`translate_batch`'s options for the decode settings `cfg`."""
+    suppressed = [PAD, BOS, UNK] if cfg.suppress_unk else [PAD, BOS]
+    options: dict[str, Any] = {
+        "beam_size": cfg.beam_size if cfg.strategy == "beam" else 1,
+        "num_hypotheses": cfg.beam_size if cfg.strategy == "beam" else 1,
+        "length_penalty": cfg.length_penalty,
+        "min_decoding_length": cfg.min_len,
+        "no_repeat_ngram_size": cfg.no_repeat_ngram,
+        "suppress_sequences": [tokenizer.tgt_pieces([i]) for i in suppressed],
+        "max_input_length": 0,  # truncated before, as decode.max_input_len says
+    }
+    if cfg.strategy == "sample":
+        top_k = min(cfg.top_k, tokenizer.tgt_vocab_size)  # CTranslate2 refuses more; torch takes the min too
+        options.update(sampling_topk=top_k, sampling_topp=cfg.top_p, sampling_temperature=cfg.temperature)
+    return options
+
+
+def hypotheses(
+    found: list[list[str]], scores: list[float | None], logprobs: list[list[float] | None], by: TextTranslator
+) -> list[Hypothesis]:
+    """CTranslate2's hypotheses as this project's: token ids ending with EOS, GNMT-normalised scores, the best
+    `by`'s decode settings keep."""
+    cfg, alpha = by.decode, by.decode.length_penalty
+    out = []
+    for pieces, score, per_token in zip(found, scores, logprobs):
+        ids = [by.tokenizer.tgt.piece_to_id(p) for p in pieces] + [EOS]
+        if per_token is not None:
+            total = sum(per_token)
+        else:  # CTranslate2's score is the sum over length**alpha, EOS counted
+            assert score is not None
+            total = score * len(ids) ** alpha
+        out.append(Hypothesis(ids, total / float(length_penalty(len(ids), alpha)), per_token or []))
+    out.sort(key=lambda h: -h.score)
+    return out[: cfg.nbest if cfg.strategy == "beam" else 1]
 
 
 def _limits(sources: list[list[int]], prefixes: list[list[int]] | None, cfg: DecodeConfig, limit: int) -> list[int]:

@@ -134,7 +134,8 @@ class Batcher:
     async def _run(self) -> None:
         while True:
             await self._gather()
-            batch = self._decoding = self._take()
+            batch, self._waiting = take_batch(self._waiting, self.max_tokens)
+            self._decoding = batch
             try:
                 if batch:
                     await self._decode(batch)
@@ -155,23 +156,6 @@ class Batcher:
             except asyncio.TimeoutError:
                 break
 
-    def _take(self) -> list[_Job]:
-        """The oldest live request and the later ones with the same settings that fit the token budget."""
-        batch: list[_Job] = []
-        tokens = 0
-        rest: deque[_Job] = deque()
-        for job in self._waiting:
-            if job.result.done():  # the client went away
-                continue
-            fits = not batch or (job.settings == batch[0].settings and tokens + job.tokens <= self.max_tokens)
-            if fits:
-                batch.append(job)
-                tokens += job.tokens
-            else:
-                rest.append(job)
-        self._waiting = rest
-        return batch
-
     async def _decode(self, batch: list[_Job]) -> None:
         """Decode the batch in the worker thread and hand each request its own slice of the results.
 
@@ -182,13 +166,8 @@ class Batcher:
         loop = asyncio.get_running_loop()
         self.batches += 1
         started = time.perf_counter()
-        call = functools.partial(self.engine.translate, lines, batch[0].settings)
-        if any(job.prefixes for job in batch):  # requests with and without prefixes share a batch
-            call = functools.partial(call, [p for job in batch for p in job.prefixes or [""] * len(job.lines)])
-        if any(job.tgt_langs for job in batch):
-            langs = [lang for job in batch for lang in job.tgt_langs or [""] * len(job.lines)]
-            call = functools.partial(call, tgt_langs=langs)
         try:
+            call = engine_call(self.engine, batch)
             results = await loop.run_in_executor(self._executor, _cancellable, self._cancel, call)
             log.debug(
                 "batch %d: %d requests, %d lines, %.1f ms",
@@ -211,6 +190,35 @@ class Batcher:
             if not job.result.done():
                 job.result.set_result(results[start : start + len(job.lines)])
             start += len(job.lines)
+
+
+def take_batch(waiting: deque[_Job], max_tokens: int) -> tuple[list[_Job], deque[_Job]]:
+    """The oldest live request and the later ones with the same settings that fit the token budget; the rest."""
+    batch: list[_Job] = []
+    tokens = 0
+    rest: deque[_Job] = deque()
+    for job in waiting:
+        if job.result.done():  # the client went away
+            continue
+        if not batch or (job.settings == batch[0].settings and tokens + job.tokens <= max_tokens):
+            batch.append(job)
+            tokens += job.tokens
+        else:
+            rest.append(job)
+    return batch, rest
+
+
+def engine_call(engine: Engine, batch: list[_Job]) -> Callable[[], list[Translation]]:
+    """The engine's translation of the batch's lines, with their prefixes and target languages where any has some
+    (requests with and without them share a batch)."""
+    lines = [line for job in batch for line in job.lines]
+    call = functools.partial(engine.translate, lines, batch[0].settings)
+    if any(job.prefixes for job in batch):
+        call = functools.partial(call, [p for job in batch for p in job.prefixes or [""] * len(job.lines)])
+    if any(job.tgt_langs for job in batch):
+        langs = [lang for job in batch for lang in job.tgt_langs or [""] * len(job.lines)]
+        call = functools.partial(call, tgt_langs=langs)
+    return call
 
 
 def _cancellable(cancel: threading.Event, call: Callable[[], R]) -> R:
