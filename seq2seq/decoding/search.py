@@ -86,12 +86,14 @@ def max_lengths(src_pad_mask: Tensor, cfg: DecodeConfig, limit: int, prefix: Ten
     return torch.maximum(lengths, (prefix != PAD).sum(dim=1)).clamp(max=limit)
 
 
-def constrain(logprobs: Tensor, step: int, max_len: Tensor, history: Tensor, cfg: DecodeConfig) -> Tensor:
+def constrain(
+    logprobs: Tensor, step: int, max_len: Tensor, history: Tensor, cfg: DecodeConfig, lse: Tensor | None = None
+) -> Tensor:
     """Forbid PAD/BOS (and UNK, repeated n-grams, an early EOS); force EOS at the length limit. In place.
 
-    logprobs: (N, V) for the token at 0-based position `step`; max_len: (N,)
-    tokens allowed before EOS; history: (N, step + 1) tokens so far, BOS first.
-    A row left with no allowed token (tiny vocabularies, n-gram blocking) ends
+    logprobs: (N, V) for the token at 0-based position `step`, or with `lse` (N,) the logits whose
+    log-probabilities are logits - lse; max_len: (N,) tokens allowed before EOS; history: (N, step + 1)
+    tokens so far, BOS first. A row left with no allowed token (tiny vocabularies, n-gram blocking) ends
     with EOS, so every hypothesis can always finish.
     """
     model_eos = logprobs[:, EOS].clone()  # (N,)
@@ -107,29 +109,45 @@ def constrain(logprobs: Tensor, step: int, max_len: Tensor, history: Tensor, cfg
     if forced.any():
         logprobs[forced] = NEG_INF
         # A model that rules EOS out entirely (possible only with -inf logits) gets a cut, scored 0.
-        logprobs[forced, EOS] = model_eos[forced].nan_to_num(neginf=0.0)
+        logprobs[forced, EOS] = scored_zero_if_ruled_out(model_eos[forced], None if lse is None else lse[forced])
     return logprobs
+
+
+def scored_zero_if_ruled_out(values: Tensor, lse: Tensor | None) -> Tensor:
+    """`values` (logits, or log-probabilities when `lse` is None), a -inf one replaced by log-probability 0."""
+    return values.nan_to_num(neginf=0.0) if lse is None else torch.where(values == NEG_INF, lse, values)
+
+
+def next_scores(
+    logits: Tensor, step: int, max_len: Tensor, history: Tensor, cfg: DecodeConfig, forced: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """The model's next-token scores for position `step`, constrained (see `constrain`): fp32 logits
+    (N, V), masked in place, and their log-normaliser lse (N,), so that the log-probabilities are
+    logits - lse[:, None]. Beam search ranks with these without materialising log-probabilities.
+
+    `forced` (N,) holds a prefix token for the rows that must take one (PAD for
+    the others): such a row keeps only that token, at the model's log-probability.
+    """
+    scores = logits.float()
+    lse = torch.logsumexp(scores, dim=-1)  # (N,)
+    if forced is None:
+        return constrain(scores, step, max_len, history, cfg, lse), lse
+    # (N,) before constrain masks them; a model that rules the token out entirely (only -inf logits
+    # can) gets it scored 0, as constrain does for a forced EOS, so that the prefix always appears.
+    model_scores = scored_zero_if_ruled_out(scores.gather(1, forced[:, None])[:, 0], lse)
+    scores = constrain(scores, step, max_len, history, cfg, lse)
+    rows = (forced != PAD).nonzero().flatten()
+    scores[rows] = NEG_INF
+    scores[rows, forced[rows]] = model_scores[rows]
+    return scores, lse
 
 
 def next_logprobs(
     logits: Tensor, step: int, max_len: Tensor, history: Tensor, cfg: DecodeConfig, forced: Tensor | None
 ) -> Tensor:
-    """The model's log-probabilities (N, V) for position `step`, constrained (see `constrain`).
-
-    `forced` (N,) holds a prefix token for the rows that must take one (PAD for
-    the others): such a row keeps only that token, at the model's log-probability.
-    """
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    if forced is None:
-        return constrain(logprobs, step, max_len, history, cfg)
-    # (N,) before constrain masks them; a model that rules the token out entirely (only -inf logits
-    # can) gets it scored 0, as constrain does for a forced EOS, so that the prefix always appears.
-    model_scores = logprobs.gather(1, forced[:, None])[:, 0].nan_to_num(neginf=0.0)
-    logprobs = constrain(logprobs, step, max_len, history, cfg)
-    rows = (forced != PAD).nonzero().flatten()
-    logprobs[rows] = NEG_INF
-    logprobs[rows, forced[rows]] = model_scores[rows]
-    return logprobs
+    """The model's log-probabilities (N, V) for position `step`, constrained (see `next_scores`)."""
+    scores, lse = next_scores(logits, step, max_len, history, cfg, forced)
+    return scores.sub_(lse[:, None])
 
 
 def forced_tokens(prefix: Tensor | None, step: int, sentence: Tensor) -> Tensor | None:
@@ -267,23 +285,31 @@ class BeamStep:
     eos_scores: Tensor  # (M,) ... and their summed log-probabilities
 
 
-def beam_step(scores: Tensor, logprobs: Tensor, beam_size: int = 0) -> BeamStep:
+def beam_step(scores: Tensor, logprobs: Tensor, beam_size: int = 0, lse: Tensor | None = None) -> BeamStep:
     """The selection rule: the K best live extensions, and the EOS ones among the top K.
 
     scores: (B, R) summed log-probabilities of each sentence's R rows (-inf for
     empty slots); logprobs: (B * R, V) next-token log-probabilities (-inf where
-    forbidden); beam_size K (0: R). R is K, or 1 at the first step, when every
-    hypothesis is BOS alone. Among the 2K best candidates at most K are EOS
-    ranked in the top K, so K live ones remain whenever K finite non-EOS
-    candidates exist; otherwise slots stay empty.
+    forbidden), or with `lse` (B * R,) the logits whose log-probabilities are
+    logits - lse (`next_scores`); beam_size K (0: R). R is K, or 1 at the first
+    step, when every hypothesis is BOS alone. Among the 2K best candidates at
+    most K are EOS ranked in the top K, so K live ones remain whenever K finite
+    non-EOS candidates exist; otherwise slots stay empty.
+
+    A sentence's 2K best candidates are among its rows' own 2K best tokens, so
+    each row is cut to those first: the (B, R * V) table of candidates is never
+    formed, and the normaliser is added to 2K values a row, not V.
     """
     B, R = scores.shape
     K = beam_size or R
     V = logprobs.shape[-1]
-    candidates = (scores[:, :, None] + logprobs.view(B, R, V)).view(B, R * V)
-    top_scores, top_index = candidates.topk(min(2 * K, R * V), dim=1)  # (B, 2K), best first
-    top_tokens = top_index % V
-    top_rows = top_index // V + torch.arange(B, device=scores.device)[:, None] * R
+    k = min(2 * K, V)
+    row_best, row_tokens = logprobs.topk(k, dim=1)  # (N, k), best first
+    offset = scores.view(-1, 1) if lse is None else scores.view(-1, 1) - lse[:, None]  # (N, 1)
+    candidates = (row_best + offset).view(B, R * k)
+    top_scores, top_index = candidates.topk(min(2 * K, R * k), dim=1)  # (B, 2K), best first
+    top_tokens = row_tokens.view(B, R * k).gather(1, top_index)
+    top_rows = top_index // k + torch.arange(B, device=scores.device)[:, None] * R
     finite = torch.isfinite(top_scores)
     is_eos = top_tokens == EOS
     rank = torch.arange(top_scores.shape[1], device=scores.device)
@@ -320,11 +346,14 @@ class Finished:
         """(B,) each searching sentence's K-th best normalised score; -inf until K have finished."""
         return self.best[:, -1]
 
-    def collect(self, out: BeamStep, sentence: Tensor, history: Tensor, step_scores: Tensor, logprobs: Tensor) -> None:
+    def collect(
+        self, out: BeamStep, sentence: Tensor, history: Tensor, step_scores: Tensor, eos_logprobs: Tensor
+    ) -> None:
         """Keep this step's EOS extensions.
 
         sentence: (B,) batch index of each searching sentence; history (N, step + 1)
-        and step_scores (N, step): each row's tokens (BOS first) and their log-probabilities.
+        and step_scores (N, step): each row's tokens (BOS first) and their log-probabilities;
+        eos_logprobs (N,): each row's log-probability of EOS now.
         """
         rows = out.eos_rows  # (M,)
         if rows.numel() == 0:
@@ -334,7 +363,7 @@ class Finished:
         self.best = torch.cat([self.best, normalised], dim=1).topk(self.K, dim=1).values
         eos = torch.full((rows.shape[0], 1), EOS, dtype=history.dtype, device=history.device)
         tokens = torch.cat([history[rows, 1:], eos], dim=1)
-        scores = torch.cat([step_scores[rows], logprobs[rows, EOS][:, None]], dim=1)
+        scores = torch.cat([step_scores[rows], eos_logprobs[rows, None]], dim=1)
         self.found.append((sentence[torch.div(rows, self.K, rounding_mode="floor")], tokens, scores))
 
     def drop(self, keep: Tensor) -> None:
@@ -379,12 +408,12 @@ def beam_search(
         interrupt.check_cancelled()
         logits = session.step(history[:, -1:])  # (N, V)
         forced = forced_tokens(prefix, step, sentence.repeat_interleave(scores.shape[1]))
-        logprobs = next_logprobs(logits, step, max_len, history, cfg, forced)
-        out = beam_step(scores, logprobs, K)
-        finished.collect(out, sentence, history, step_scores, logprobs)
+        logits, lse = next_scores(logits, step, max_len, history, cfg, forced)  # log-probabilities: logits - lse
+        out = beam_step(scores, logits, K, lse)
+        finished.collect(out, sentence, history, step_scores, logits[:, EOS] - lse)
         rows, tokens = out.next_rows.flatten(), out.next_tokens.flatten()  # (B * K,)
         history = torch.cat([history[rows], tokens[:, None]], dim=1)
-        step_scores = torch.cat([step_scores[rows], logprobs[rows, tokens][:, None]], dim=1)
+        step_scores = torch.cat([step_scores[rows], (logits[rows, tokens] - lse[rows])[:, None]], dim=1)
         expanding = scores.shape[1] != K
         scores, max_len = out.next_scores, max_len[rows]
         exact = cfg.beam_stop == "exact"
