@@ -387,10 +387,10 @@ class TransformerConfig(Section):
         "pre", "`post`: x = LN(x + F(x)), the 2017 paper; `pre`: x = x + F(LN(x)), with a final LN"
     )
     norm_type: Literal["layernorm", "rmsnorm"] = setting("layernorm", "the normalisation, for pre- and post-norm alike")
-    positions: Literal["sinusoidal", "learned", "relative", "rope"] = setting(
+    positions: Literal["sinusoidal", "learned", "relative", "rope", "none"] = setting(
         "sinusoidal",
         "`sinusoidal` or `learned` (added to the embeddings), `relative` (Shaw et al., 2018) or `rope` (rotary), "
-        "inside self-attention",
+        "inside self-attention; `none` (NoPos): no position information at all",
     )
     max_relative_distance: int = setting(
         16, "`positions: relative` clips distances to [-k, k]", min=1, limit=MAX_POSITIONS

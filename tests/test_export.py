@@ -125,6 +125,7 @@ VARIANTS = {
         "data.shared_vocab=false",
         "model.share_all_embeddings=false",
     ],
+    "pre-none": ["model.transformer.norm=pre", "model.transformer.positions=none"],
 }
 
 

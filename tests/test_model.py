@@ -47,6 +47,7 @@ VARIANTS = {
     "relative-post-rmsnorm": {"positions": "relative", "norm": "post", "norm_type": "rmsnorm"},
     "rope": {"positions": "rope"},
     "rope-post": {"positions": "rope", "norm": "post"},
+    "none": {"positions": "none"},
 }
 RNN_VARIANTS: dict[str, dict[str, Any]] = {
     "rnn-lstm-none-unidirectional": {"cell": "lstm", "attention": "none", "bidirectional": False},
@@ -177,7 +178,7 @@ def test_source_padding_does_not_change_real_positions(name: str) -> None:
     )
 
 
-@pytest.mark.parametrize("name", ["pre", "relative", "rnn-lstm-none-unidirectional", "rnn-lstm-mlp-untied"])
+@pytest.mark.parametrize("name", ["pre", "relative", "none", "rnn-lstm-none-unidirectional", "rnn-lstm-mlp-untied"])
 @torch.no_grad()
 def test_padded_source_content_is_ignored(name: str) -> None:
     """Whatever ids sit under the mask, the result is the same: the mask, not PAD's embedding, hides them."""
@@ -214,7 +215,7 @@ def test_math_kernel_for_bf16_cpu_training_pytorchs_choice_in_fp32_and_no_cudnn_
         assert SDPBackend.FLASH_ATTENTION in kernels and SDPBackend.MATH in kernels
 
 
-@pytest.mark.parametrize("name", ["pre", "relative", "rope"])
+@pytest.mark.parametrize("name", ["pre", "relative", "rope", "none"])
 @torch.no_grad()
 def test_math_and_flash_kernels_compute_the_same_attention(name: str) -> None:
     model = tiny_model(**variant(name))
@@ -251,7 +252,7 @@ def test_cached_decoding_equals_forward(name: str, kernel: str, device: torch.de
         torch.testing.assert_close(decode_incrementally(model, src, mask, tgt), model(src, mask, tgt), **CLOSE)
 
 
-@pytest.mark.parametrize("name", ["pre", "post", "relative", "rope", *RNN_VARIANTS])
+@pytest.mark.parametrize("name", ["pre", "post", "relative", "rope", "none", *RNN_VARIANTS])
 @torch.no_grad()
 def test_cache_reorder_and_select_follow_the_rows(name: str, device: torch.device) -> None:
     """Beam search reorders hypotheses mid-sentence; the cache must then behave as if they had always been there."""
@@ -279,7 +280,7 @@ def test_cache_reorder_and_select_follow_the_rows(name: str, device: torch.devic
     torch.testing.assert_close(torch.stack(steps, dim=1), expected[order, 3:], **CLOSE)
 
 
-@pytest.mark.parametrize("name", ["pre", "post", "relative", "rope"])
+@pytest.mark.parametrize("name", ["pre", "post", "relative", "rope", "none"])
 @torch.no_grad()
 def test_cache_follows_beams_and_dropped_rows(name: str, device: torch.device) -> None:
     """The cache as beam search and greedy search use it: each sentence expanded to a beam (sharing one copy of
@@ -335,7 +336,7 @@ def test_decoding_follows_the_weights_after_training_updates() -> None:
     assert not torch.allclose(after, before, atol=1e-3)
 
 
-@pytest.mark.parametrize("name", ["post", "post-learned-gelu-untied", "relative", "rope-post"])
+@pytest.mark.parametrize("name", ["post", "post-learned-gelu-untied", "relative", "rope-post", "none"])
 @torch.no_grad()
 def test_packed_and_plain_decoder_linears_give_the_same_logits(name: str) -> None:
     """The oneDNN-packed projections (CPU float32 decoding's default) against the modules themselves."""
@@ -526,6 +527,22 @@ def test_attention_positions_add_nothing_to_the_embeddings(positions: str) -> No
     assert not any("positions" in name and "relative" not in name for name in model.state_dict())
 
 
+@torch.no_grad()
+def test_no_positions_make_the_encoder_permutation_equivariant() -> None:
+    """positions: none (NoPos): permuting the real source positions permutes the encoder output the same way,
+    padding masked; the same source under sinusoidal positions does not."""
+    src = torch.tensor([[5, 6, 7, 8, 9, EOS], [10, 11, 12, EOS, PAD, PAD]])
+    order = [torch.tensor([3, 0, 4, 2, 1, 5]), torch.tensor([2, 0, 3, 1, 4, 5])]  # padding stays in place
+    permuted = torch.stack([row[o] for row, o in zip(src, order)])
+    for positions, equivariant in (("none", True), ("sinusoidal", False)):
+        model = tiny_model(positions=positions)
+        out, out_permuted = model.encoder(src, src == PAD), model.encoder(permuted, permuted == PAD)
+        expected = torch.stack([row[o] for row, o in zip(out, order)])
+        real = (permuted != PAD)[..., None]
+        assert torch.allclose(out_permuted * real, expected * real, atol=1e-5) == equivariant
+    assert not any("position" in name for name in tiny_model(positions="none").state_dict())
+
+
 @pytest.mark.parametrize(("norm_type", "kind"), [("layernorm", torch.nn.LayerNorm), ("rmsnorm", torch.nn.RMSNorm)])
 @pytest.mark.parametrize("norm", ["pre", "post"])
 def test_norm_type_picks_every_norm(norm_type: str, kind: type, norm: str) -> None:
@@ -539,7 +556,7 @@ def test_norm_type_picks_every_norm(norm_type: str, kind: type, norm: str) -> No
 # Batch invariance and the RNN's own pieces.
 
 
-@pytest.mark.parametrize("name", ["rope", "relative", "rmsnorm-pre", *RNN_VARIANTS])
+@pytest.mark.parametrize("name", ["rope", "relative", "rmsnorm-pre", "none", *RNN_VARIANTS])
 @torch.no_grad()
 def test_a_sentence_gets_the_same_logits_alone_and_in_a_batch(name: str, device: torch.device) -> None:
     model = tiny_model(**variant(name)).to(device)
@@ -588,7 +605,7 @@ def test_without_attention_only_the_final_state_reaches_the_decoder(context_ever
     torch.testing.assert_close(model.decoder(tgt, cache), model(src, mask, tgt), **CLOSE)
 
 
-@pytest.mark.parametrize("name", ["relative", "rope", "rmsnorm-pre", *RNN_VARIANTS])
+@pytest.mark.parametrize("name", ["relative", "rope", "rmsnorm-pre", "none", *RNN_VARIANTS])
 def test_bf16_autocast_trains_and_stays_close_to_fp32(name: str) -> None:
     """precision=auto picks bf16 on CPUs with native bf16: every variant must run (and backpropagate) under it."""
     model = tiny_model(**variant(name))

@@ -437,6 +437,7 @@ def test_beam_size_one_is_greedy_on_the_tiny_model(
 ARCHITECTURES = [
     "relative",
     "rope",
+    "none",
     "rnn-lstm-none-unidirectional",
     "rnn-gru-none-context-unidirectional",
     "rnn-gru-general",

@@ -205,6 +205,9 @@ def _set_embedding(spec: Any, module: Encoder | Decoder) -> None:
     table = embedding.positions.weight if embedding.positions is not None else embedding.table
     if table is not None:  # rope and relative positions live in self-attention instead
         spec.position_encodings.encodings = _array(table)
+    elif hasattr(spec, "position_encodings"):  # none: a stack without positions in self-attention gets
+        # sinusoidal encodings from CTranslate2 unless given a table, so it gets a table of zeros
+        spec.position_encodings.encodings = np.zeros((embedding.max_positions, embedding.tokens.embedding_dim), "f")
 
 
 def _set_self_attention(spec: Any, attention: MultiHeadAttention, norm: nn.Module) -> None:
