@@ -637,6 +637,12 @@ class DecodeConfig(Section):
         limit=MAX_POSITIONS,
     )
     valid_strategy: Literal["beam", "greedy"] = setting("greedy", "search used for validation BLEU")
+    quantize: Literal["none", "int8"] = setting(
+        "none",
+        "`int8`: the decoder's linear layers run in int8 on the CPU (weights quantized per output row when the model "
+        "is opened, inputs at every step; the checkpoint stays float32); not on CUDA, not for an RNN; validation "
+        "always decodes in float32",
+    )
 
     def check(self) -> None:
         self.require(

@@ -8,7 +8,10 @@ whose best hypothesis differs;
 (dynamic shapes) against the eager step, and prints each one's first call;
 `--compare attention` times PyTorch's math attention kernel, which training
 asks for on CPU (`seq2seq.model.training_kernel`), against its flash kernel,
-which `scaled_dot_product_attention` picks by itself elsewhere.
+which `scaled_dot_product_attention` picks by itself elsewhere;
+`--compare quantize` times `decode.quantize: int8` (the decoder's linears in
+int8) against float32 on the same loaded model, and counts the sentences whose
+best hypothesis differs.
 The no-cache baseline (`seq2seq.decoding.uncached.uncached_search`) runs the same search
 code but recomputes the decoder over the whole prefix at every step. The
 machine's speed drifts (it may be shared), so the runs are interleaved, each
@@ -53,7 +56,7 @@ from bench_engines import BASELINE_REV, SHAPES, SYSTEMS
 from torch.nn.attention import SDPBackend
 
 from seq2seq.decoding.search import search
-from seq2seq.decoding.translate import SearchFn, Translation, Translator
+from seq2seq.decoding.translate import SearchFn, Translation, Translator, quantized
 from seq2seq.decoding.uncached import uncached_search
 from seq2seq.model import kernel_scope
 from seq2seq.text.corpus import read_lines
@@ -107,6 +110,16 @@ def compiled_search(model: Any, *args: Any, **kwargs: Any) -> Any:
     return search(_compiled[id(model)], *args, **kwargs)
 
 
+_int8: dict[int, Any] = {}
+
+
+def int8_search(model: Any, *args: Any, **kwargs: Any) -> Any:
+    """`search` with the model as `decode.quantize: int8` decodes it (quantized once per model, on first use)."""
+    if id(model) not in _int8:
+        _int8[id(model)] = quantized(model, "int8")
+    return search(_int8[id(model)], *args, **kwargs)
+
+
 def stopping(rule: str) -> SearchFn:
     """`search` with `decode.beam_stop` set to `rule`, for `--compare beam-stop`."""
 
@@ -121,6 +134,7 @@ COMPARISONS: dict[str, tuple[Setting, Setting]] = {
     "cache": (("cached", search, None), ("uncached", uncached_search, None)),
     "attention": (("math", search, SDPBackend.MATH), ("flash", search, SDPBackend.FLASH_ATTENTION)),
     "compile": (("compiled", compiled_search, None), ("eager", search, None)),
+    "quantize": (("int8", int8_search, None), ("fp32", search, None)),
 }
 
 

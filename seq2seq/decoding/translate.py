@@ -26,8 +26,8 @@ from seq2seq.config import DataConfig, DecodeConfig, from_dict, replace_checked,
 from seq2seq.decoding.alignment import AttentionMap, LayerChoice, model_attention, require_attention
 from seq2seq.decoding.ensemble import Ensemble
 from seq2seq.decoding.search import Hypothesis, search
-from seq2seq.errors import DataError
-from seq2seq.model import Seq2SeqModel
+from seq2seq.errors import ConfigError, DataError
+from seq2seq.model import Seq2SeqModel, Seq2SeqTransformer
 from seq2seq.model.session import Decodable
 from seq2seq.runs.checkpoint import load_checkpoint
 from seq2seq.text.corpus import make_batches, pad
@@ -70,6 +70,7 @@ class Translation:
 
 
 T = TypeVar("T", bound="TextTranslator")
+TT = TypeVar("TT", bound="Translator")
 
 
 class TextTranslator:
@@ -209,6 +210,23 @@ class TextTranslator:
         return encoded
 
 
+def quantized(model: Seq2SeqModel | Ensemble, quantize: str) -> Seq2SeqModel | Ensemble:
+    """`model` as `decode.quantize` says it decodes: itself (`none`), or sharing its weights with int8 linears
+    in its decoder (`Seq2SeqTransformer.quantized`; an ensemble's members each). One line refuses a model int8
+    cannot run (an RNN, CUDA)."""
+    if quantize == "none":
+        return model
+    if isinstance(model, Ensemble):
+        return Ensemble([_quantized(member, quantize) for member in model.models]).train(model.training)
+    return _quantized(model, quantize)
+
+
+def _quantized(model: Seq2SeqModel, quantize: str) -> Seq2SeqModel:
+    if not isinstance(model, Seq2SeqTransformer):
+        raise ConfigError(f"decode.quantize={quantize} quantizes a Transformer, not an RNN: use decode.quantize=none")
+    return model.quantized(quantize)
+
+
 class Translator(TextTranslator):
     """This project's model (or an ensemble), its tokenizer and decoding settings, ready to translate strings.
 
@@ -227,7 +245,8 @@ class Translator(TextTranslator):
         search_fn: SearchFn = search,
     ) -> None:
         super().__init__(tokenizer, decode, data)
-        self.model = model
+        self.float_model = model  # as loaded: float32 (or as trained), whatever decode.quantize says
+        self.model = quantized(model, decode.quantize)  # what decodes
         self.device = torch.device(device)
         self.search_fn = search_fn  # scripts/bench/bench_decode.py swaps in seq2seq.decoding.uncached.uncached_search
 
@@ -246,7 +265,19 @@ class Translator(TextTranslator):
 
     def engine_info(self) -> dict[str, object]:
         parameters = sum(p.numel() for p in self.model.parameters())
-        return {"engine": "pytorch", "device": str(self.device), "parameters": parameters}
+        return {
+            "engine": "pytorch",
+            "device": str(self.device),
+            "parameters": parameters,
+            "quantize": self.decode.quantize,
+        }
+
+    def with_decode(self: TT, **changes: object) -> TT:
+        """As `TextTranslator.with_decode`; a changed decode.quantize decodes the loaded model anew."""
+        translator = super().with_decode(**changes)
+        if translator.decode.quantize != self.decode.quantize:
+            translator.model = quantized(self.float_model, translator.decode.quantize)
+        return translator
 
     def _search(self, sources: list[list[int]], prefixes: list[list[int]] | None) -> list[list[Hypothesis]]:
         src = pad(sources).to(self.device)

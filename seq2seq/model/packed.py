@@ -47,6 +47,60 @@ def packed_linear(weight: Tensor, bias: Tensor | None, relu: bool = False) -> Li
     return linear
 
 
+def int8_linear(weight: Tensor, bias: Tensor | None, relu: bool = False) -> Linear:
+    """`F.linear` (then ReLU) in int8, for `decode.quantize: int8`, with row-wise scales on both sides.
+
+    The weight (out, in) is quantized once, per output row (symmetric: scale max|w| / 127); each call
+    quantizes its input per row likewise (7 bits without VNNI, see `has_vnni`), multiplies in int8 with
+    exact int32 sums (`torch._int_mm`, oneDNN's int8 GEMM) and scales the sums back to float32 by the
+    row's and the column's scale. Every row is quantized on its own, so a hypothesis's logits do not depend
+    on the other rows of its batch: batch invariance and cache == uncached hold as in float32. (PyTorch's
+    `quantized.linear_dynamic` quantizes the input per tensor, which couples the rows; it was no faster.)
+    """
+    w = weight.detach().float()
+    w_scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127  # (out,)
+    w_int8 = torch.round(w / w_scale[:, None]).to(torch.int8).t()  # (in, out)
+    b = None if bias is None else bias.detach().float()
+    levels = 127 if has_vnni() else 63
+
+    def linear(x: Tensor) -> Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        scale = rows.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12).div_(levels)  # (N, 1)
+        x_int8 = torch.div(rows, scale).round_().to(torch.int8)
+        y = torch._int_mm(x_int8, w_int8).float().mul_(scale)  # (N, out)
+        y = torch.addcmul(b, y, w_scale) if b is not None else y.mul_(w_scale)
+        if relu:
+            y = y.relu_()
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    return linear
+
+
+@functools.cache
+def has_vnni() -> bool:
+    """Whether the CPU multiplies 8-bit integers with 32-bit sums (AVX-512 VNNI, AVX-VNNI, AMX): then an input is
+    quantized to the full int8 range; without it, to 7 bits, as PyTorch's x86 backend does (`reduce_range`), since
+    AVX2 sums pairs of 8-bit products in a saturating int16."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return any(flag in flags for flag in ("avx512_vnni", "avx_vnni", "amx_int8"))
+
+
+@functools.cache
+def int8_available() -> bool:
+    """Whether this PyTorch has the int8 GEMM on the CPU that `int8_linear` calls."""
+    if not hasattr(torch, "_int_mm"):
+        return False
+    try:
+        torch._int_mm(torch.ones(1, 8, dtype=torch.int8), torch.ones(8, 8, dtype=torch.int8))
+    except RuntimeError:
+        return False
+    return True
+
+
 def onednn_available() -> bool:
     """Whether this PyTorch has the private oneDNN ops that `packed_linear` calls: the one feature check."""
     ops = torch.ops.mkldnn

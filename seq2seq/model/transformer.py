@@ -10,6 +10,7 @@ the session's cache, as the session's plan says (seq2seq.model.plan).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from seq2seq.config import ModelConfig
+from seq2seq.errors import ConfigError
 from seq2seq.model.attention import MultiHeadAttention, Packing, attention_mask
 from seq2seq.model.cache import DecoderCache, LayerCache
 from seq2seq.model.embedding import Embedding, output_layer, token_embeddings
@@ -26,6 +28,8 @@ from seq2seq.model.packed import (
     Linear,
     ParameterKey,
     can_pack,
+    int8_available,
+    int8_linear,
     onednn_available,
     packed_linear,
     parameter_key,
@@ -33,6 +37,9 @@ from seq2seq.model.packed import (
 )
 from seq2seq.model.plan import CPU_KERNEL, FUSED_KERNEL, StepPlan
 from seq2seq.model.record import AttentionRecord
+
+MakeLinear = Callable[[Tensor, Tensor | None, bool], Linear]
+"""(weight (out, in), bias, relu) -> a step's linear: `packed_linear` or `int8_linear`."""
 
 
 class Encoder(nn.Module):
@@ -110,12 +117,13 @@ class Decoder(nn.Module):
         """Each cross-attention module's W_Q as a decoding step runs it without packing: views of in_proj."""
         return {attention: plain_linear(*attention.query_weights()) for attention in self.cross_attentions()}
 
-    def packed_linears(self) -> dict[nn.Module, Linear]:
-        """Copies of a decoding step's projections with weights prepacked for oneDNN (seq2seq.model.packed), by
-        the module each replaces (a cross-attention module: its W_Q)."""
+    def packed_linears(self, make: MakeLinear = packed_linear) -> dict[nn.Module, Linear]:
+        """Copies of a decoding step's projections made by `make` (weights prepacked for oneDNN,
+        seq2seq.model.packed; or `int8_linear`'s int8 ones), by the module each replaces (a cross-attention
+        module: its W_Q)."""
 
         def pack(linear: nn.Linear, relu: bool = False) -> Linear:
-            return packed_linear(linear.weight, linear.bias, relu)
+            return make(linear.weight, linear.bias, relu)
 
         def ffn(module: FeedForward) -> Linear:
             relu = module.activation is F.relu
@@ -128,7 +136,7 @@ class Decoder(nn.Module):
         for layer in self.decoder_layers():
             for linear in (layer.self_attn.in_proj, layer.self_attn.out_proj, layer.cross_attn.out_proj):
                 packed[linear] = pack(linear)
-            packed[layer.cross_attn] = packed_linear(*layer.cross_attn.query_weights())
+            packed[layer.cross_attn] = make(*layer.cross_attn.query_weights(), False)
             packed[layer.ffn] = ffn(layer.ffn)
         return packed
 
@@ -141,16 +149,24 @@ class DecodingPlan:
     and reused while the parameters stay where and as they were; everything
     else runs the modules themselves. `pack=False` always runs the modules: for
     torch.compile, and to test that both give the same translations.
+
+    `quantize="int8"` (`decode.quantize`, through `Seq2SeqTransformer.quantized`)
+    runs the same linears in int8 instead (`int8_linear`: weights quantized per
+    output row when the plan is made, inputs at every call), kept the same way;
+    it decodes on CPU float32 only and refuses anything else with one line.
     """
 
-    def __init__(self, decoder: Decoder, pack: bool = True) -> None:
+    def __init__(self, decoder: Decoder, pack: bool = True, quantize: str = "none") -> None:
         self.decoder = decoder
+        self.quantize = quantize
         self.pack = pack and onednn_available()
         self._packed: tuple[ParameterKey, StepPlan] | None = None
 
     def session(self, memory: Tensor) -> StepPlan:
         """The plan of the session that starts now, over the encoder output `memory` (B, S, D)."""
         kernel = CPU_KERNEL if memory.device.type == "cpu" else FUSED_KERNEL
+        if self.quantize == "int8":
+            return self._int8(kernel)
         if self.pack and can_pack(self.decoder):
             key = parameter_key(self.decoder)
             if self._packed is None or self._packed[0] != key:
@@ -162,6 +178,17 @@ class DecodingPlan:
             if self._packed is not None:
                 return self._packed[1]
         return StepPlan(self.decoder.plain_queries(), self.cross_kv(), kernel)
+
+    def _int8(self, kernel: str) -> StepPlan:
+        """The int8 plan, made again when the parameters have changed."""
+        check_int8(self.decoder)
+        if not can_pack(self.decoder):
+            raise ConfigError("decode.quantize=int8 decodes in eval mode without autograd only")
+        key = parameter_key(self.decoder)
+        if self._packed is None or self._packed[0] != key:
+            self._packed = None
+            self._packed = (key, StepPlan(self.decoder.packed_linears(int8_linear), self.cross_kv(), kernel))
+        return self._packed[1]
 
     def cross_kv(self) -> tuple[Tensor, Tensor]:
         """Every decoder layer's W_K, W_V stacked, and their biases: one matmul projects the encoder
@@ -181,6 +208,18 @@ class DecodingPlan:
 
     def __getstate__(self) -> dict[str, object]:
         return {**self.__dict__, "_packed": None}  # copies and pickles pack again when they decode
+
+
+def check_int8(module: nn.Module) -> None:
+    """Refuse, with one line, int8 decoding where it cannot run: CUDA, a half-precision model, a PyTorch
+    without oneDNN's int8 linear."""
+    weight = next(module.parameters())
+    if weight.device.type != "cpu":
+        raise ConfigError(f"decode.quantize=int8 runs on the CPU only, not {weight.device.type}: use --device cpu")
+    if weight.dtype != torch.float32:
+        raise ConfigError(f"decode.quantize=int8 quantizes a float32 model, not {weight.dtype}")
+    if not int8_available():
+        raise ConfigError("decode.quantize=int8 needs PyTorch's int8 matrix multiply on the CPU (torch._int_mm)")
 
 
 class TransformerSession:
@@ -214,6 +253,17 @@ class Seq2SeqTransformer(nn.Module):
         self.encoder = encoder
         self.decoder = decoder
         self.plan = DecodingPlan(decoder)  # a plain attribute: no weights, nothing in the state dict
+
+    def quantized(self, quantize: str) -> Seq2SeqTransformer:
+        """This model decoding with `decode.quantize` (`none`: itself; `int8`: its decoder's linears in int8):
+        a model sharing its modules and weights, with a decoding plan of its own, so the checkpoint and this
+        model stay float32. Refused with one line where int8 cannot run (`check_int8`)."""
+        if quantize == "none":
+            return self
+        check_int8(self)
+        view = Seq2SeqTransformer(self.encoder, self.decoder)
+        view.plan = DecodingPlan(self.decoder, quantize=quantize)
+        return view.train(self.training)
 
     def train(self, mode: bool = True) -> Seq2SeqTransformer:
         if mode:

@@ -62,9 +62,10 @@ def translations(
     """Detokenized translations with `decode.valid_strategy` (greedy or beam); `langs`: the target
     language of each source, for a model of several pairs.
 
-    nbest=1: only the best hypothesis is scored, and decode.nbest was checked against decode.strategy's beam only.
+    nbest=1: only the best hypothesis is scored, and decode.nbest was checked against decode.strategy's beam only;
+    decode.quantize is for translating, not for scoring the model being trained.
     """
-    valid = replace(decode, strategy=decode.valid_strategy, nbest=1)
+    valid = replace(decode, strategy=decode.valid_strategy, nbest=1, quantize="none")  # the float32 model trained
     return [t.text for t in Translator(model, tokenizer, valid, device).translate_full(sources, tgt_langs=langs)]
 
 

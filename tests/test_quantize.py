@@ -1,0 +1,232 @@
+"""`decode.quantize: int8`: the decoder's linears in int8 on the CPU, a decode-time change of a float32 model.
+
+int8 changes the numbers, so it is tested against float32 loosely (most translations of the trained tiny model
+the same) and against itself exactly where float32 is exact: a cached session against one started again for every
+step over the whole prefix, and a sentence alone against the same sentence in a batch (every row is quantized on
+its own, `seq2seq.model.packed.int8_linear`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import reversal_pairs
+from test_model import source_batch, target_batch, tiny_model, variant
+from torch import Tensor
+
+from seq2seq.cli import main
+from seq2seq.config import DecodeConfig
+from seq2seq.decoding.search import Hypothesis, search
+from seq2seq.decoding.translate import Translator
+from seq2seq.errors import ConfigError
+from seq2seq.model import Seq2SeqTransformer
+from seq2seq.model.packed import int8_available, int8_linear
+from seq2seq.model.record import AttentionRecord
+from seq2seq.runs.checkpoint import load_checkpoint
+from seq2seq.text.corpus import pad
+from seq2seq.text.vocab import EOS, PAD
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(not int8_available(), reason="this PyTorch has no int8 matrix multiply on the CPU"),
+]
+
+
+class RestartedSession:
+    """A session that starts the model's decoding again at every step and replays the whole prefix through it: the
+    int8 plan with a cache that never reorders or drops a row, the reference a searched int8 session (whose cache
+    follows the beams) is compared with."""
+
+    def __init__(self, model: Seq2SeqTransformer, src: Tensor, src_pad_mask: Tensor) -> None:
+        self.model, self.src, self.mask = model, src, src_pad_mask
+        self.tokens = torch.zeros(src.shape[0], 0, dtype=torch.long)
+        self.attention: AttentionRecord | None = None
+
+    def step(self, tokens: Tensor) -> Tensor:
+        self.tokens = torch.cat([self.tokens, tokens], dim=1)
+        session = self.model.start(self.src, self.mask)
+        return [session.step(self.tokens[:, t : t + 1]) for t in range(self.tokens.shape[1])][-1]
+
+    def reorder(self, index: Tensor) -> None:
+        self.tokens = self.tokens.index_select(0, index)
+
+    def select(self, index: Tensor) -> None:
+        self.reorder(index)
+        self.src, self.mask = self.src.index_select(0, index), self.mask.index_select(0, index)
+
+
+class Restarted:
+    def __init__(self, model: Seq2SeqTransformer) -> None:
+        self.model = model
+
+    def start(self, src: Tensor, src_pad_mask: Tensor, need_attention: bool = False) -> RestartedSession:
+        return RestartedSession(self.model, src, src_pad_mask)
+
+
+def tokens(results: list[list[Hypothesis]]) -> list[list[list[int]]]:
+    return [[h.tokens for h in hyps] for hyps in results]
+
+
+def assert_same(a: list[list[Hypothesis]], b: list[list[Hypothesis]], abs: float) -> None:
+    assert tokens(a) == tokens(b)
+    for x, y in zip(itertools.chain(*a), itertools.chain(*b)):
+        assert x.token_scores == pytest.approx(y.token_scores, abs=abs)
+
+
+# The int8 linear.
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("relu", [False, True])
+def test_an_int8_linear_is_close_to_float32_and_each_row_its_own(relu: bool) -> None:
+    g = torch.Generator().manual_seed(0)
+    weight, bias, x = torch.randn(48, 32, generator=g), torch.randn(48, generator=g), torch.randn(5, 3, 32, generator=g)
+    linear = int8_linear(weight, bias, relu)
+    expected = F.linear(x, weight, bias)
+    expected = expected.relu() if relu else expected
+    y = linear(x)
+    assert y.shape == (5, 3, 48) and (not relu or bool((y >= 0).all()))
+    assert (y - expected).abs().max() < 0.05 * expected.abs().max()
+    for i in range(5):  # a row's output does not depend on the others: integer sums are exact
+        assert torch.equal(linear(x[i : i + 1]), y[i : i + 1])
+    assert linear(x[:0]).shape == (0, 3, 48)
+
+
+@torch.no_grad()
+def test_int8_decoding_is_a_view_of_the_float32_model() -> None:
+    model = tiny_model(**variant("post"))
+    assert isinstance(model, Seq2SeqTransformer)
+    int8 = model.quantized("int8")
+    assert model.quantized("none") is model
+    assert int8 is not model and int8.decoder is model.decoder and int8.plan is not model.plan
+    assert int8.state_dict().keys() == model.state_dict().keys()
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    src, mask = source_batch()
+    tgt = target_batch(length=5)
+    session, reference = int8.start(src, mask), model.start(src, mask)
+    for t in range(tgt.shape[1]):
+        a, b = session.step(tgt[:, t : t + 1]), reference.step(tgt[:, t : t + 1])
+        assert not torch.equal(a, b)
+        torch.testing.assert_close(a.log_softmax(-1), b.log_softmax(-1), atol=0.1, rtol=0.0)
+    assert int8.start(src, mask).plan is int8.plan.session(int8.encode(src, mask))  # quantized once, kept
+
+
+@pytest.mark.parametrize("name", ["post", "pre", "post-learned-gelu-untied", "relative", "rope", "rmsnorm-pre"])
+@pytest.mark.parametrize("strategy", ["greedy", "beam"])
+@torch.no_grad()
+def test_int8_cached_equals_restarted_and_batch_invariant_random(name: str, strategy: str) -> None:
+    model = tiny_model(**variant(name))
+    assert isinstance(model, Seq2SeqTransformer)
+    int8 = model.quantized("int8")
+    src, mask = source_batch()
+    decode = DecodeConfig(strategy=strategy, beam_size=3, nbest=3 if strategy == "beam" else 1)  # type: ignore[arg-type]
+    cached = search(int8, src, mask, decode, 20)
+    assert_same(cached, search(Restarted(int8), src, mask, decode, 20), abs=1e-4)
+    alone = [search(int8, src[i : i + 1], mask[i : i + 1], decode, 20)[0] for i in range(3)]
+    assert_same(cached, alone, abs=1e-5)
+
+
+def test_int8_is_refused_in_one_line_where_it_cannot_run() -> None:
+    rnn = tiny_model(**variant("rnn-lstm-dot"))
+    with pytest.raises(ConfigError, match="not an RNN"):
+        Translator(rnn, None, DecodeConfig(quantize="int8"))  # type: ignore[arg-type]
+    model = tiny_model(**variant("post"))
+    assert isinstance(model, Seq2SeqTransformer)
+    with pytest.raises(ConfigError, match="CPU only, not meta"):
+        model.to("meta").quantized("int8")
+    with pytest.raises(ConfigError, match="float32 model, not torch.bfloat16"):
+        tiny_model(**variant("post")).to(torch.bfloat16).quantized("int8")  # type: ignore[operator]
+
+
+# The trained tiny model.
+
+
+@pytest.fixture(scope="module")
+def trained(trained_run: Path) -> tuple[Seq2SeqTransformer, Tensor, Tensor]:
+    loaded = load_checkpoint(trained_run / "checkpoint_best.pt")
+    lines, _ = reversal_pairs(24, seed=42)
+    src = pad([ids + [EOS] for ids in loaded.tokenizer.encode_src(lines)])
+    assert isinstance(loaded.model, Seq2SeqTransformer)
+    return loaded.model.eval(), src, src == PAD
+
+
+@pytest.mark.parametrize("strategy", ["greedy", "beam"])
+@torch.no_grad()
+def test_int8_translates_most_sentences_as_float32(
+    trained: tuple[Seq2SeqTransformer, Tensor, Tensor], strategy: str
+) -> None:
+    model, src, mask = trained
+    decode = DecodeConfig(strategy=strategy, beam_size=4)  # type: ignore[arg-type]
+    fp32 = tokens(search(model, src, mask, decode, 100))
+    int8 = tokens(search(model.quantized("int8"), src, mask, decode, 100))
+    same = sum(a[0] == b[0] for a, b in zip(fp32, int8))
+    assert same >= 0.9 * len(fp32), (same, len(fp32))
+
+
+@pytest.mark.parametrize("strategy", ["greedy", "beam"])
+@torch.no_grad()
+def test_int8_cached_equals_restarted_and_batch_invariant_trained(
+    trained: tuple[Seq2SeqTransformer, Tensor, Tensor], strategy: str
+) -> None:
+    model, src, mask = trained
+    int8 = model.quantized("int8")
+    src, mask = src[:8], mask[:8]
+    decode = DecodeConfig(strategy=strategy, beam_size=4, nbest=4 if strategy == "beam" else 1)  # type: ignore[arg-type]
+    cached = search(int8, src, mask, decode, 100)
+    assert_same(cached, search(Restarted(int8), src, mask, decode, 100), abs=1e-4)
+    alone = [search(int8, src[i : i + 1], mask[i : i + 1], decode, 100)[0] for i in range(len(src))]
+    assert_same(cached, alone, abs=1e-5)
+
+
+def test_translate_and_evaluate_run_int8_from_the_cli(
+    trained_run: Path, corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    checkpoint = str(trained_run / "checkpoint_best.pt")
+    source = corpus / "test.src"
+    outputs = {}
+    for quantize in ("none", "int8"):
+        out = tmp_path / f"{quantize}.txt"
+        args = ["translate", "-c", checkpoint, "--threads", "1", "-i", str(source), "-o", str(out)]
+        assert main([*args, f"decode.quantize={quantize}"]) == 0
+        outputs[quantize] = out.read_text(encoding="utf-8").splitlines()
+    same = sum(a == b for a, b in zip(outputs["none"], outputs["int8"]))
+    assert len(outputs["int8"]) == len(outputs["none"]) and same >= 0.9 * len(outputs["none"])
+    translator = Translator.from_checkpoint(checkpoint, quantize="int8")
+    assert translator.engine_info()["quantize"] == "int8" and translator.float_model is not translator.model
+    assert translator.with_decode(quantize="none").model is translator.float_model
+    capsys.readouterr()
+    ref = corpus / "test.tgt"
+    args = ["evaluate", "-c", checkpoint, "--threads", "1", "--src", str(source), "--ref", str(ref), "--format", "json"]
+    assert main([*args, "decode.quantize=int8"]) == 0
+    assert '"bleu"' in capsys.readouterr().out.lower()
+
+
+def test_a_bad_quantize_value_is_one_line(trained_run: Path, corpus: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    checkpoint = str(trained_run / "checkpoint_best.pt")
+    code = main(["translate", "-c", checkpoint, "-i", str(corpus / "test.src"), "decode.quantize=int4"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "decode.quantize" in err and "int8" in err and len(err.splitlines()) == 1
+
+
+def test_serve_answers_int8_as_translate_does(trained_run: Path, corpus: Path, tmp_path: Path) -> None:
+    pytest.importorskip("starlette", reason="seq2seq serve needs the serve extra")
+    from test_serve import Server
+
+    checkpoint = trained_run / "checkpoint_best.pt"
+    lines = (corpus / "test.src").read_text(encoding="utf-8").splitlines()[:20]
+    source, output = tmp_path / "in.txt", tmp_path / "out.txt"
+    source.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    args = ["translate", "-c", str(checkpoint), "--threads", "1", "-i", str(source), "-o", str(output)]
+    assert main([*args, "decode.quantize=int8"]) == 0
+    expected = output.read_text(encoding="utf-8").splitlines()
+    server = Server(checkpoint, "decode.quantize=int8")
+    try:
+        info = server.get("/info")[1]["model"]
+        assert info["quantize"] == "int8" and info["decode"]["quantize"] == "int8"
+        assert server.post({"text": lines}) == (200, {"translations": expected})
+    finally:
+        assert server.stop() == 143, server.lines
