@@ -12,11 +12,18 @@ CTranslate2 on the same batches. Both run this project's own code path:
   dropout.
 - `build_decode`: `seq2seq.decoding.search.search`, greedy or beam, with every
   hypothesis forced to exactly `n_tokens` tokens before EOS.
+
+The suite's systems are fixed by name, so `decode.quantize` reaches its
+`seq2seq` systems through the environment: `SEQ2SEQ_PEER_QUANTIZE=int8` makes
+`build_decode` decode as `seq2seq translate decode.quantize=int8` does (the
+same model, its decoder's linears in int8), to be read against the suite's
+`ct2-int8` in the same run.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,6 +31,7 @@ import torch
 
 from seq2seq.config import DecodeConfig, ExperimentConfig, ModelConfig, OptimConfig, TrainConfig, TransformerConfig
 from seq2seq.decoding.search import search
+from seq2seq.decoding.translate import quantized
 from seq2seq.model import Seq2SeqTransformer, build_model
 from seq2seq.text.corpus import Batch
 from seq2seq.text.vocab import EOS, PAD
@@ -113,9 +121,10 @@ def build_decode(
         nbest=1,
     )
     mask, limit = src == PAD, model.max_positions - 1
+    decoding = quantized(model, os.environ.get("SEQ2SEQ_PEER_QUANTIZE", "none"))
 
     def run() -> list[int]:
-        tokens = [hyps[0].tokens for hyps in search(model, src, mask, decode, limit)]
+        tokens = [hyps[0].tokens for hyps in search(decoding, src, mask, decode, limit)]
         assert all(t[-1] == EOS and EOS not in t[:-1] for t in tokens)
         return [len(t) for t in tokens]
 
