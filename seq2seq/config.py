@@ -387,18 +387,38 @@ class TransformerConfig(Section):
         "pre", "`post`: x = LN(x + F(x)), the 2017 paper; `pre`: x = x + F(LN(x)), with a final LN"
     )
     norm_type: Literal["layernorm", "rmsnorm"] = setting("layernorm", "the normalisation, for pre- and post-norm alike")
-    positions: Literal["sinusoidal", "learned", "relative", "rope", "none"] = setting(
+    positions: Literal["sinusoidal", "learned", "relative", "rope", "t5_bias", "none"] = setting(
         "sinusoidal",
-        "`sinusoidal` or `learned` (added to the embeddings), `relative` (Shaw et al., 2018) or `rope` (rotary), "
-        "inside self-attention; `none` (NoPos): no position information at all",
+        "`sinusoidal` or `learned` (added to the embeddings), `relative` (Shaw et al., 2018), `rope` (rotary) or "
+        "`t5_bias` (T5's bucketed bias on the logits, shared by a stack's layers), inside self-attention; `none` "
+        "(NoPos): no position information at all",
     )
     max_relative_distance: int = setting(
         16, "`positions: relative` clips distances to [-k, k]", min=1, limit=MAX_POSITIONS
+    )
+    t5_buckets: int = setting(
+        32,
+        "`positions: t5_bias`: buckets of distances (the encoder's split between the two directions), half of a "
+        "direction's exact, the rest logarithmic",
+        min=4,
+        limit=MAX_POSITIONS,
+    )
+    t5_max_distance: int = setting(
+        128, "`positions: t5_bias`: distances from this one on share the last bucket", min=2, limit=MAX_POSITIONS
     )
     scale_embedding: bool = setting(
         True, "token embeddings multiplied by sqrt(`model.d_model`) (false: some imported Marian models)"
     )
     output_bias: bool = setting(False, "a bias on the output projection (an imported Marian model's logits bias)")
+
+    def check(self) -> None:
+        self.require(self.t5_buckets % 2 == 0, "t5_buckets", f"({self.t5_buckets}) must be even (two directions)")
+        self.require(
+            self.t5_max_distance > self.t5_buckets // 2,
+            "t5_max_distance",
+            f"({self.t5_max_distance}) must exceed the exact distances, half of {self.key('t5_buckets')} "
+            f"({self.t5_buckets // 2})",
+        )
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ MODELS: dict[str, dict[str, Any]] = {
     "post": {"norm": "post"},
     "rope": {"positions": "rope"},
     "relative-rmsnorm": {"positions": "relative", "max_relative_distance": 3, "norm_type": "rmsnorm"},
+    "t5-bias": {"positions": "t5_bias", "t5_buckets": 8, "t5_max_distance": 6},
     "three decoder layers": {"decoder_layers": 3, "n_heads": 4},
     **{
         f"rnn-{score}": {"arch": "rnn", "rnn": RNNConfig(attention=score, hidden_size=12, layers=1)}

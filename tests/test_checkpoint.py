@@ -62,6 +62,8 @@ ARCHITECTURES = {
         "model.transformer.norm=post",
     ],
     "relative": ["model.transformer.positions=relative"],
+    "t5-bias": ["model.transformer.positions=t5_bias"],
+    "none": ["model.transformer.positions=none"],
     "rnn-lstm-mlp": ["model.arch=rnn", "model.transformer=null", "model.rnn.attention=mlp", "model.rnn.hidden_size=32"],
     "rnn-gru-none-unidirectional": [
         "model.arch=rnn",

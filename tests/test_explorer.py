@@ -114,6 +114,7 @@ def test_each_hypothesis_has_its_own_attention(translator: Translator) -> None:
 UNTRAINED = {
     "transformer-relative-post": {"positions": "relative", "max_relative_distance": 4, "norm": "post"},
     "transformer-rope-rmsnorm": {"positions": "rope", "norm_type": "rmsnorm", "decoder_layers": 3},
+    "transformer-t5-bias-post": {"positions": "t5_bias", "t5_buckets": 8, "t5_max_distance": 6, "norm": "post"},
     **{
         f"rnn-{score}": {"arch": "rnn", "rnn": RNNConfig(attention=score, hidden_size=16, layers=1)}
         for score in ("dot", "general", "mlp")

@@ -126,6 +126,19 @@ VARIANTS = {
         "model.share_all_embeddings=false",
     ],
     "pre-none": ["model.transformer.norm=pre", "model.transformer.positions=none"],
+    "pre-t5-bias": [
+        "model.transformer.norm=pre",
+        "model.transformer.positions=t5_bias",
+        "model.transformer.t5_buckets=8",  # the test sentences reach the logarithmic buckets and the last one
+        "model.transformer.t5_max_distance=6",
+    ],
+    "post-t5-bias-rmsnorm-separate": [
+        "model.transformer.norm=post",
+        "model.transformer.positions=t5_bias",
+        "model.transformer.norm_type=rmsnorm",
+        "data.shared_vocab=false",
+        "model.share_all_embeddings=false",
+    ],
 }
 
 
@@ -320,3 +333,5 @@ def test_rotary_settings_are_read_from_the_model() -> None:
     assert _position_options(model)["rotary_base"] == 500.0
     relative = build_model(ModelConfig(d_model=32, transformer=TransformerConfig(positions="relative")), 40, 40)
     assert _position_options(relative) == {"relative_position": True}
+    t5 = build_model(ModelConfig(d_model=32, transformer=TransformerConfig(positions="t5_bias")), 40, 40)
+    assert _position_options(t5) == {"relative_attention_bias": True}

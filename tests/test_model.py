@@ -48,6 +48,9 @@ VARIANTS = {
     "rope": {"positions": "rope"},
     "rope-post": {"positions": "rope", "norm": "post"},
     "none": {"positions": "none"},
+    # few buckets, so that the test lengths reach the logarithmic ones and the shared last one
+    "t5_bias": {"positions": "t5_bias", "t5_buckets": 8, "t5_max_distance": 6},
+    "t5_bias-post-rmsnorm": {"positions": "t5_bias", "norm": "post", "norm_type": "rmsnorm"},
 }
 RNN_VARIANTS: dict[str, dict[str, Any]] = {
     "rnn-lstm-none-unidirectional": {"cell": "lstm", "attention": "none", "bidirectional": False},
@@ -178,7 +181,9 @@ def test_source_padding_does_not_change_real_positions(name: str) -> None:
     )
 
 
-@pytest.mark.parametrize("name", ["pre", "relative", "none", "rnn-lstm-none-unidirectional", "rnn-lstm-mlp-untied"])
+@pytest.mark.parametrize(
+    "name", ["pre", "relative", "none", "t5_bias", "rnn-lstm-none-unidirectional", "rnn-lstm-mlp-untied"]
+)
 @torch.no_grad()
 def test_padded_source_content_is_ignored(name: str) -> None:
     """Whatever ids sit under the mask, the result is the same: the mask, not PAD's embedding, hides them."""
@@ -215,7 +220,7 @@ def test_math_kernel_for_bf16_cpu_training_pytorchs_choice_in_fp32_and_no_cudnn_
         assert SDPBackend.FLASH_ATTENTION in kernels and SDPBackend.MATH in kernels
 
 
-@pytest.mark.parametrize("name", ["pre", "relative", "rope", "none"])
+@pytest.mark.parametrize("name", ["pre", "relative", "rope", "none", "t5_bias"])
 @torch.no_grad()
 def test_math_and_flash_kernels_compute_the_same_attention(name: str) -> None:
     model = tiny_model(**variant(name))
@@ -252,7 +257,7 @@ def test_cached_decoding_equals_forward(name: str, kernel: str, device: torch.de
         torch.testing.assert_close(decode_incrementally(model, src, mask, tgt), model(src, mask, tgt), **CLOSE)
 
 
-@pytest.mark.parametrize("name", ["pre", "post", "relative", "rope", "none", *RNN_VARIANTS])
+@pytest.mark.parametrize("name", ["pre", "post", "relative", "rope", "none", "t5_bias", *RNN_VARIANTS])
 @torch.no_grad()
 def test_cache_reorder_and_select_follow_the_rows(name: str, device: torch.device) -> None:
     """Beam search reorders hypotheses mid-sentence; the cache must then behave as if they had always been there."""
@@ -280,7 +285,7 @@ def test_cache_reorder_and_select_follow_the_rows(name: str, device: torch.devic
     torch.testing.assert_close(torch.stack(steps, dim=1), expected[order, 3:], **CLOSE)
 
 
-@pytest.mark.parametrize("name", ["pre", "post", "relative", "rope", "none"])
+@pytest.mark.parametrize("name", ["pre", "post", "relative", "rope", "none", "t5_bias"])
 @torch.no_grad()
 def test_cache_follows_beams_and_dropped_rows(name: str, device: torch.device) -> None:
     """The cache as beam search and greedy search use it: each sentence expanded to a beam (sharing one copy of
@@ -336,7 +341,7 @@ def test_decoding_follows_the_weights_after_training_updates() -> None:
     assert not torch.allclose(after, before, atol=1e-3)
 
 
-@pytest.mark.parametrize("name", ["post", "post-learned-gelu-untied", "relative", "rope-post", "none"])
+@pytest.mark.parametrize("name", ["post", "post-learned-gelu-untied", "relative", "rope-post", "none", "t5_bias"])
 @torch.no_grad()
 def test_packed_and_plain_decoder_linears_give_the_same_logits(name: str) -> None:
     """The oneDNN-packed projections (CPU float32 decoding's default) against the modules themselves."""
@@ -518,13 +523,49 @@ def test_relative_distances_are_clipped() -> None:
     assert relative.keys.num_embeddings == relative.values.num_embeddings == 5
 
 
-@pytest.mark.parametrize("positions", ["rope", "relative"])
+@pytest.mark.parametrize("positions", ["rope", "relative", "t5_bias"])
 def test_attention_positions_add_nothing_to_the_embeddings(positions: str) -> None:
     model = tiny_model(positions=positions)
     ids = torch.tensor([[BOS, 5, 5]])
     embedded = model.decoder.embedding(ids)
     torch.testing.assert_close(embedded[0, 1], embedded[0, 2])  # same token, same vector: positions come later
     assert not any("positions" in name and "relative" not in name for name in model.state_dict())
+
+
+# T5's buckets with its defaults (32 buckets, max_distance 128), by hand from the definition (Raffel et al., 2020):
+# a direction's n buckets (16 each way in the encoder, 32 in the decoder) hold the exact distances 0 .. n/2 - 1,
+# then bucket n/2 + floor(log(d / (n/2)) / log(128 / (n/2)) * n/2), at most n - 1. Encoder: n/2 = 8, so
+# 8 + floor(2 log2(d / 8)); keys after the query 16 higher. Decoder: n/2 = 16, so 16 + floor(16/3 log2(d / 16)).
+T5_DISTANCES = [0, 1, 7, 8, 11, 12, 15, 16, 19, 22, 23, 32, 45, 46, 64, 90, 91, 112, 113, 127, 128, 1000]
+T5_BEFORE = [0, 1, 7, 8, 8, 9, 9, 10, 10, 10, 11, 12, 12, 13, 14, 14, 15, 15, 15, 15, 15, 15]  # key before query
+T5_CAUSAL = [0, 1, 7, 8, 11, 12, 15, 16, 17, 18, 18, 21, 23, 24, 26, 29, 29, 30, 31, 31, 31, 31]
+
+
+def test_t5_buckets_follow_t5s_definition() -> None:
+    model = tiny_model(positions="t5_bias")
+    encoder, decoder = model.encoder.position_bias, model.decoder.position_bias
+    distance = torch.tensor(T5_DISTANCES)
+    assert encoder.bucket(-distance).tolist() == T5_BEFORE
+    assert encoder.bucket(distance).tolist() == [0] + [16 + b for b in T5_BEFORE[1:]]  # key after query
+    assert decoder.bucket(-distance).tolist() == T5_CAUSAL
+    assert encoder.bias.weight.shape == decoder.bias.weight.shape == (32, 2)  # a scalar per bucket and head
+
+
+@torch.no_grad()
+def test_t5_bias_is_one_table_per_stack_added_to_self_attention_only() -> None:
+    """Shared by the layers of a stack as in T5: one table each for the encoder and the decoder, none in a
+    layer (so none on cross-attention); the decoder's step t sees the bias of its distance to each cached key."""
+    model = tiny_model(positions="t5_bias")
+    tables = [name for name in model.state_dict() if "position_bias" in name]
+    assert tables == ["encoder.position_bias.bias.weight", "decoder.position_bias.bias.weight"]
+    bias = model.decoder.position_bias
+    full = bias(0, 5, 5)  # (1, H, 5, 5): a teacher-forced pass, -inf above the diagonal
+    torch.testing.assert_close(bias(3, 1, 4), full[:, :, 3:4, :4])  # step 3 over the 4 keys so far
+    assert torch.isinf(full[0, :, 1, 2:]).all() and torch.isfinite(full[0, :, 1, :2]).all()
+    head = bias.bias.weight[:, 0]
+    assert full[0, 0, 4, :].tolist() == [head[b].item() for b in (4, 3, 2, 1, 0)]  # distances -4 .. 0
+    mask = model.encoder.position_bias(0, 3, 3, torch.tensor([True, True, False])[None, None, None])
+    assert torch.isinf(mask[0, :, :, 2]).all() and torch.isfinite(mask[0, :, :, :2]).all()  # padding masked
 
 
 @torch.no_grad()
@@ -556,7 +597,7 @@ def test_norm_type_picks_every_norm(norm_type: str, kind: type, norm: str) -> No
 # Batch invariance and the RNN's own pieces.
 
 
-@pytest.mark.parametrize("name", ["rope", "relative", "rmsnorm-pre", "none", *RNN_VARIANTS])
+@pytest.mark.parametrize("name", ["rope", "relative", "rmsnorm-pre", "none", "t5_bias", *RNN_VARIANTS])
 @torch.no_grad()
 def test_a_sentence_gets_the_same_logits_alone_and_in_a_batch(name: str, device: torch.device) -> None:
     model = tiny_model(**variant(name)).to(device)
@@ -605,7 +646,7 @@ def test_without_attention_only_the_final_state_reaches_the_decoder(context_ever
     torch.testing.assert_close(model.decoder(tgt, cache), model(src, mask, tgt), **CLOSE)
 
 
-@pytest.mark.parametrize("name", ["relative", "rope", "rmsnorm-pre", "none", *RNN_VARIANTS])
+@pytest.mark.parametrize("name", ["relative", "rope", "rmsnorm-pre", "none", "t5_bias", *RNN_VARIANTS])
 def test_bf16_autocast_trains_and_stays_close_to_fp32(name: str) -> None:
     """precision=auto picks bf16 on CPUs with native bf16: every variant must run (and backpropagate) under it."""
     model = tiny_model(**variant(name))

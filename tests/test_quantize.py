@@ -115,7 +115,9 @@ def test_int8_decoding_is_a_view_of_the_float32_model() -> None:
     assert int8.start(src, mask).plan is int8.plan.session(int8.encode(src, mask))  # quantized once, kept
 
 
-@pytest.mark.parametrize("name", ["post", "pre", "post-learned-gelu-untied", "relative", "rope", "rmsnorm-pre"])
+@pytest.mark.parametrize(
+    "name", ["post", "pre", "post-learned-gelu-untied", "relative", "rope", "rmsnorm-pre", "t5_bias", "none"]
+)
 @pytest.mark.parametrize("strategy", ["greedy", "beam"])
 @torch.no_grad()
 def test_int8_cached_equals_restarted_and_batch_invariant_random(name: str, strategy: str) -> None:

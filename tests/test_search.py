@@ -438,6 +438,7 @@ ARCHITECTURES = [
     "relative",
     "rope",
     "none",
+    "t5_bias",
     "rnn-lstm-none-unidirectional",
     "rnn-gru-none-context-unidirectional",
     "rnn-gru-general",

@@ -40,6 +40,7 @@ from seq2seq.errors import UserError
 from seq2seq.model import Seq2SeqTransformer
 from seq2seq.model.attention import MultiHeadAttention
 from seq2seq.model.layers import DecoderLayer, EncoderLayer, FeedForward
+from seq2seq.model.positions import PositionBias
 from seq2seq.model.transformer import Decoder, Encoder
 from seq2seq.runs.checkpoint import Checkpoint, read
 from seq2seq.runs.owned import check_replaceable, make_temporary, remove_temporary, replace_directory
@@ -150,13 +151,17 @@ def _position_options(model: Seq2SeqTransformer) -> dict[str, Any]:
 
     Rope: every dimension of a head rotates (`rotary_dim` 0), in pairs (m, m + Dh/2), i.e. the halves
     layout rather than the interleaved one, with our base. Relative: Shaw et al.'s keys and values,
-    whose clipping distance CTranslate2 reads from their table's size (2k + 1 rows).
+    whose clipping distance CTranslate2 reads from their table's size (2k + 1 rows). T5's bias:
+    CTranslate2's relative attention bias, T5's buckets (bidirectional in the encoder, causal in the
+    decoder), their number read from the table's rows.
     """
     attentions = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
     bases = {m.rotary.base for m in attentions if m.rotary is not None}
     if bases:
         (base,) = bases  # one value in every layer
         return {"rotary_dim": 0, "rotary_interleave": False, "rotary_base": base}
+    if model.encoder.position_bias is not None:
+        return {"relative_attention_bias": True}
     return {"relative_position": any(m.relative is not None for m in attentions)}
 
 
@@ -219,6 +224,13 @@ def _set_self_attention(spec: Any, attention: MultiHeadAttention, norm: nn.Modul
         spec.relative_position_values = _array(attention.relative.values.weight)
 
 
+def _set_position_bias(spec: Any, bias: PositionBias | None) -> None:
+    """A stack's T5 bias, the same in every layer's self-attention (as CTranslate2's T5 converter sets it)."""
+    if bias is not None:  # (buckets, H)
+        spec.relative_attention_bias = _array(bias.bias.weight)
+        spec.relative_attention_max_distance = np.dtype("int32").type(bias.max_distance)
+
+
 def _set_cross_attention(spec: Any, attention: MultiHeadAttention, norm: nn.Module) -> None:
     d, w, b = attention.d_model, attention.in_proj.weight, attention.in_proj.bias
     _set_linear(spec.linear[0], w[:d], b[:d])  # queries from the decoder
@@ -238,6 +250,7 @@ def _set_encoder(spec: Any, encoder: Encoder) -> None:
     for layer_spec, layer in zip(spec.layer, encoder.layers):
         assert isinstance(layer, EncoderLayer)
         _set_self_attention(layer_spec.self_attention, layer.self_attn, layer.attn_block.norm)
+        _set_position_bias(layer_spec.self_attention, encoder.position_bias)
         _set_ffn(layer_spec.ffn, layer.ffn, layer.ffn_block.norm)
     if isinstance(encoder.final_norm, NORMS):
         _set_norm(spec.layer_norm, encoder.final_norm)
@@ -248,6 +261,7 @@ def _set_decoder(spec: Any, decoder: Decoder) -> None:
     for layer_spec, layer in zip(spec.layer, decoder.layers):
         assert isinstance(layer, DecoderLayer)
         _set_self_attention(layer_spec.self_attention, layer.self_attn, layer.self_block.norm)
+        _set_position_bias(layer_spec.self_attention, decoder.position_bias)
         _set_cross_attention(layer_spec.attention, layer.cross_attn, layer.cross_block.norm)
         _set_ffn(layer_spec.ffn, layer.ffn, layer.ffn_block.norm)
     if isinstance(decoder.final_norm, NORMS):

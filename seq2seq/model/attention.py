@@ -125,7 +125,8 @@ class MultiHeadAttention(nn.Module):
     Self-attention may carry positions of its own (`positions`: "rope" or
     "relative", seq2seq.model.positions). Rotary ones go through PyTorch's
     attention kernels like the plain ones; relative ones add a term to the
-    values, which no fused kernel computes, so they run the math here.
+    values, which no fused kernel computes, so they run the math here. T5's
+    bias arrives in `mask`, an additive one that its stack computed once.
     """
 
     def __init__(
@@ -261,10 +262,26 @@ def attention_heads(
     bias: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor:
     """softmax(Q K^T / sqrt(Dh)) V per head, (B, H, Lq, Dh): PyTorch's fused kernel (with attention dropout,
-    0 outside training), or in a decoding step (a `cache`) the kernel of the session's plan (`step_attention`)."""
+    0 outside training), or in a decoding step (a `cache`) the kernel of the session's plan (`step_attention`).
+
+    mask: (B, 1, 1, Lk) True where allowed, or an additive float mask (1 or B, H, Lq, Lk) that holds a position
+    bias and -inf where not allowed (`positions: t5_bias`, seq2seq.model.positions.PositionBias)."""
+    if mask is not None and mask.is_floating_point():
+        mask = mask.to(q.dtype)
+        bias = head_bias(mask) if bias is None else bias
     if cache is not None:
         return step_attention(q, k, v, cache.plan.kernel, mask, bias)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal)
+
+
+def head_bias(mask: Tensor) -> Callable[[Tensor], Tensor]:
+    """An additive mask (1 or B, H, Lq, Lk) as `decode_attention`'s bias (B * H, Lq, Lk) for queries q."""
+
+    def bias(q: Tensor) -> Tensor:
+        B, H, Lq, _ = q.shape
+        return mask.expand(B, H, Lq, -1).reshape(B * H, Lq, -1)
+
+    return bias
 
 
 def step_attention(
@@ -277,8 +294,8 @@ def step_attention(
 ) -> Tensor:
     """A decoding step's attention heads (B, H, Lq, Dh) with the kernel of the session's plan.
 
-    mask: (B, 1, 1, Lk) True where allowed, for the fused kernel; bias: the
-    same as an additive bias (B * H, 1, Lk) made for the queries, for the CPU one.
+    mask: (B, 1, 1, Lk) True where allowed, or additive, for the fused kernel; bias: the
+    same as an additive bias (B * H, 1 or Lq, Lk) made for the queries, for the CPU one.
     """
     if kernel == CPU_KERNEL:
         return decode_attention(q, k, v, None if bias is None else bias(q))
@@ -289,7 +306,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None = None
     """softmax(Q K^T / sqrt(Dh) + bias) V as two batched matmuls: (B, H, Lq, Dh) -> (B, H, Lq, Dh).
 
     k, v: (B, H, Lk, Dh) whose B and H dims merge without a copy (the cache's
-    layouts); bias: (B * H, 1, Lk) or None. For the few queries of a decoding
+    layouts); bias: (B * H, 1 or Lq, Lk) or None. For the few queries of a decoding
     step this is faster on CPU than PyTorch's fused attention kernels, which
     are built for many queries (one query per row, 320 rows, 4 heads of 64, 16
     keys, one thread: 0.94 ms against the flash kernel's 1.6 ms).

@@ -96,7 +96,8 @@ class EncoderLayer(nn.Module):
         self.ffn_block = Residual(d_model, dropout, norm_first, options.norm(d_model))
 
     def forward(self, x: Tensor, mask: Tensor, packing: Packing | None = None) -> Tensor:
-        """x: (B, S, D), or (n, D) at the real positions of `packing`; mask: (B, 1, 1, S) True where allowed."""
+        """x: (B, S, D), or (n, D) at the real positions of `packing`; mask: (B, 1, 1, S) True where allowed, or
+        with `positions: t5_bias` additive (B, H, S, S): T5's position bias, -inf at padding."""
         x = self.attn_block(x, lambda h: self.self_attn.self_attention(h, mask=mask, packing=packing))
         return self.ffn_block(x, self.ffn)
 
@@ -129,6 +130,7 @@ class DecoderLayer(nn.Module):
         memory_mask: Tensor | None,
         cache: LayerCache | None = None,
         need_attention: bool = False,
+        self_mask: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """x (B, T, D) through the layer -> (B, T, D) and, with `need_attention`, the cross-attention weights
         (B, H, T, S); else None.
@@ -137,9 +139,11 @@ class DecoderLayer(nn.Module):
         `memory_mask` (B, 1, 1, S) True where allowed. With it, a decoding step: x holds the
         positions after the cached ones, whose keys/values are appended to `cache`, the
         encoder's keys/values are the cache's (`memory` goes unused), and every projection
-        runs as the session's plan says (`cache.plan`, seq2seq.model.plan).
+        runs as the session's plan says (`cache.plan`, seq2seq.model.plan). `self_mask`: the self-attention's
+        additive causal mask with T5's position bias (`positions: t5_bias`), else None.
         """
-        x = self.self_block(x, lambda h: self.self_attn.self_attention(h, causal=True, cache=cache))
+        causal = self_mask is None
+        x = self.self_block(x, lambda h: self.self_attn.self_attention(h, self_mask, causal, cache=cache))
         out, weights = self.cross_attn.cross_attention(
             self.cross_block.enter(x), memory, memory_mask, cache, need_attention
         )

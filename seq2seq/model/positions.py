@@ -1,8 +1,8 @@
-"""Positions inside self-attention: rotary embeddings and relative position representations.
+"""Positions inside self-attention: rotary embeddings, relative position representations and T5's bias.
 
 Notation: B batch, H heads, L length, Dh head dim.
 
-Both make a self-attention score depend on the distance j - i between query i
+All three make a self-attention score depend on the distance j - i between query i
 and key j, never on i or j themselves, so shifting every position by a constant
 changes nothing (tests/test_model.py proves it). Absolute positions still have to
 be right when decoding incrementally: the query of step t sits at position t.
@@ -95,3 +95,50 @@ class RelativePositions(nn.Module):
         weights = F.dropout(scores.softmax(dim=-1), dropout, dropout > 0)
         index = self.distances(start, q.shape[2], 0, k.shape[2], q.device)
         return weights @ v + self.value_term(weights, index)
+
+
+class PositionBias(nn.Module):
+    """T5's relative position bias (Raffel et al., 2020): a learned scalar per head for each bucket of the distance
+    j - i between query i and key j, added to the self-attention logits.
+
+    One module per stack (Encoder, Decoder), as in T5: its bias is computed once per pass and every layer adds the
+    same. Buckets (`bucket`): in the encoder (bidirectional) half of them for keys after the query, half for the
+    others; in the decoder (causal) all of them for keys at or before the query. Of a direction's n buckets, the
+    first n/2 are the exact distances 0 .. n/2 - 1, the rest grow logarithmically up to `max_distance`; farther
+    distances share the last. The logits are those of scaled dot-product attention, q . k / sqrt(Dh) + b.
+    """
+
+    def __init__(self, n_heads: int, bidirectional: bool, buckets: int, max_distance: int, d_model: int) -> None:
+        super().__init__()
+        self.bidirectional = bidirectional
+        self.max_distance = max_distance
+        self.bias = nn.Embedding(buckets, n_heads)  # (buckets, H): CTranslate2's relative_attention_bias
+        nn.init.normal_(self.bias.weight, std=d_model**-0.5)
+
+    def bucket(self, distance: Tensor) -> Tensor:
+        """The bucket of each distance j - i (integer tensor, any shape), as T5 computes it."""
+        n = self.bias.num_embeddings
+        if self.bidirectional:
+            n //= 2
+            offset = (distance > 0).long() * n  # keys after the query: the upper half
+            distance = distance.abs()
+        else:
+            offset = torch.zeros_like(distance)
+            distance = (-distance).clamp(min=0)  # keys after the query are masked anyway
+        exact = n // 2
+        growth = torch.log(distance.float().clamp(min=1) / exact) / math.log(self.max_distance / exact)
+        wide = exact + (growth * (n - exact)).long()  # floor, for the distances from `exact` on
+        return offset + torch.where(distance < exact, distance, wide.clamp(max=n - 1))
+
+    def forward(self, q_start: int, q_len: int, k_len: int, allowed: Tensor | None = None) -> Tensor:
+        """The additive mask (1 or B, H, Lq, Lk) of queries at q_start.. over keys at 0..: the bias, -inf where
+        `allowed` (B, 1, 1, Lk) is False and, in a causal stack, at keys after the query."""
+        device = self.bias.weight.device
+        i = torch.arange(q_start, q_start + q_len, device=device)[:, None]
+        j = torch.arange(k_len, device=device)[None, :]
+        mask = self.bias(self.bucket(j - i)).permute(2, 0, 1)[None]  # (1, H, Lq, Lk)
+        if not self.bidirectional:
+            mask = mask.masked_fill(j > i, float("-inf"))
+        if allowed is not None:
+            mask = mask.masked_fill(~allowed, float("-inf"))
+        return mask

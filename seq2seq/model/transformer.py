@@ -36,6 +36,7 @@ from seq2seq.model.packed import (
     plain_linear,
 )
 from seq2seq.model.plan import CPU_KERNEL, FUSED_KERNEL, StepPlan
+from seq2seq.model.positions import PositionBias
 from seq2seq.model.record import AttentionRecord
 
 MakeLinear = Callable[[Tensor, Tensor | None, bool], Linear]
@@ -43,15 +44,24 @@ MakeLinear = Callable[[Tensor, Tensor | None, bool], Linear]
 
 
 class Encoder(nn.Module):
-    def __init__(self, embedding: Embedding, layers: list[EncoderLayer], final_norm: nn.Module) -> None:
+    def __init__(
+        self,
+        embedding: Embedding,
+        layers: list[EncoderLayer],
+        final_norm: nn.Module,
+        position_bias: PositionBias | None = None,
+    ) -> None:
         super().__init__()
         self.embedding = embedding
         self.layers = nn.ModuleList(layers)
         self.final_norm = final_norm  # LayerNorm for pre-norm, Identity for post-norm
+        self.position_bias = position_bias  # positions: t5_bias, shared by the layers
 
     def forward(self, src: Tensor, src_pad_mask: Tensor, skip_padding: bool = False) -> Tensor:
         """(B, S) -> (B, S, D). `skip_padding`: compute only the real positions (zeros at padding)."""
         mask = attention_mask(src_pad_mask)  # (B, 1, 1, S)
+        if self.position_bias is not None:  # additive (B, H, S, S), once for every layer
+            mask = self.position_bias(0, src.shape[1], src.shape[1], mask)
         x = self.embedding(src)  # (B, S, D)
         packing = Packing.of(src_pad_mask) if skip_padding else None
         if packing is not None:
@@ -64,13 +74,19 @@ class Encoder(nn.Module):
 
 class Decoder(nn.Module):
     def __init__(
-        self, embedding: Embedding, layers: list[DecoderLayer], final_norm: nn.Module, output: nn.Linear
+        self,
+        embedding: Embedding,
+        layers: list[DecoderLayer],
+        final_norm: nn.Module,
+        output: nn.Linear,
+        position_bias: PositionBias | None = None,
     ) -> None:
         super().__init__()
         self.embedding = embedding
         self.layers = nn.ModuleList(layers)
         self.final_norm = final_norm
         self.output = output  # (V, D) weight, tied to the embedding unless configured otherwise
+        self.position_bias = position_bias  # positions: t5_bias, causal, shared by the layers
 
     def forward(
         self,
@@ -92,9 +108,11 @@ class Decoder(nn.Module):
         start = 0 if cache is None else cache.step
         x = self.embedding(tgt_in if cache is None else cache.stored(tgt_in), start=start)  # (B, T, D) or (P, T, D)
         caches: list[LayerCache | None] = [None] * len(self.layers) if cache is None else list(cache.layers)
+        length = tgt_in.shape[1]  # the step's bias depends on the distance to each cached key
+        bias = None if self.position_bias is None else self.position_bias(start, length, start + length)
         weights: list[Tensor] = []
         for layer, layer_cache in zip(self.decoder_layers(), caches):
-            x, layer_weights = layer(x, memory, memory_mask, layer_cache, need_attention)
+            x, layer_weights = layer(x, memory, memory_mask, layer_cache, need_attention, bias)
             if layer_weights is not None:
                 weights.append(layer_weights)
         x = self.final_norm(x)
@@ -357,8 +375,13 @@ def build_transformer(cfg: ModelConfig, src_vocab_size: int, tgt_vocab_size: int
             embedding.scale = 1.0
         return embedding
 
-    encoder = Encoder(embedding(src_tokens), encoder_layers, final_norm())
-    decoder = Decoder(embedding(tgt_tokens), decoder_layers, final_norm(), output)
+    def position_bias(bidirectional: bool) -> PositionBias | None:
+        if t.positions != "t5_bias":
+            return None
+        return PositionBias(t.n_heads, bidirectional, t.t5_buckets, t.t5_max_distance, d)
+
+    encoder = Encoder(embedding(src_tokens), encoder_layers, final_norm(), position_bias(True))
+    decoder = Decoder(embedding(tgt_tokens), decoder_layers, final_norm(), output, position_bias(False))
     return Seq2SeqTransformer(encoder, decoder)
 
 
