@@ -232,3 +232,21 @@ def test_serve_answers_int8_as_translate_does(trained_run: Path, corpus: Path, t
         assert server.post({"text": lines}) == (200, {"translations": expected})
     finally:
         assert server.stop() == 143, server.lines
+
+
+def test_an_export_translates_with_ctranslate2_int8(trained_run: Path, corpus: Path, tmp_path: Path) -> None:
+    """decode.quantize=int8 with a CTranslate2 model loads it with compute type int8; changing it later is a
+    warning (the engine cannot)."""
+    pytest.importorskip("ctranslate2")
+    from seq2seq.deploy.export import export_ctranslate2
+    from seq2seq.deploy.exported import CTranslate2Translator
+
+    exported = export_ctranslate2(trained_run / "checkpoint_best.pt", tmp_path / "ct2")
+    lines = (corpus / "test.src").read_text(encoding="utf-8").splitlines()[:20]
+    fp32 = CTranslate2Translator.from_directory(exported, threads=1)
+    int8 = CTranslate2Translator.from_directory(exported, threads=1, overrides=["decode.quantize=int8"])
+    assert fp32.engine_info()["compute_type"] == "float32" and int8.engine_info()["compute_type"].startswith("int8")
+    same = sum(a == b for a, b in zip(fp32.translate(lines), int8.translate(lines)))
+    assert same >= 0.9 * len(lines)
+    assert "quantize" in [key for key, _ in fp32.with_decode(quantize="int8")._unhonoured()]
+    assert "quantize" not in [key for key, _ in int8._unhonoured()]

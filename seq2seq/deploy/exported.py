@@ -103,6 +103,7 @@ class CTranslate2Translator(TextTranslator):
         self._max_positions = config.model.max_positions
         self.token_scores = token_scores
         self.seed = config.decode.seed  # what the engine's generator was seeded with
+        self.quantize = config.decode.quantize  # what the engine was loaded with: int8 is its compute type int8
 
     @classmethod
     def from_directory(
@@ -133,7 +134,10 @@ class CTranslate2Translator(TextTranslator):
             device = "cuda" if ctranslate2.get_cuda_device_count() > 0 else "cpu"
         ctranslate2.set_random_seed(config.decode.seed)  # each worker thread seeds its generator when it starts
         try:
-            engine = ctranslate2.Translator(str(path), device=device, intra_threads=threads, inter_threads=1)
+            compute_type = "int8" if config.decode.quantize == "int8" else "default"  # default: as exported
+            engine = ctranslate2.Translator(
+                str(path), device=device, compute_type=compute_type, intra_threads=threads, inter_threads=1
+            )
         except (RuntimeError, ValueError) as e:  # a damaged model.bin, a device CTranslate2 was not built for
             raise UserError(f"CTranslate2 cannot load {path}: {str(e).splitlines()[0]}") from None
         translator = cls(engine, tokenizer, config, token_scores)
@@ -166,6 +170,12 @@ class CTranslate2Translator(TextTranslator):
                 "length_penalty",
                 f"decode.length_penalty={cfg.length_penalty:g}: CTranslate2's beam prunes with length**alpha, not "
                 "GNMT's ((5 + length) / 6)**alpha, so beam results can differ from the PyTorch path's",
+            ))  # fmt: skip
+        if cfg.quantize != self.quantize:
+            messages.append((
+                "quantize",
+                f"decode.quantize={cfg.quantize}: CTranslate2 loaded this model with decode.quantize={self.quantize} "
+                f"(compute type {self.engine.compute_type}) and cannot change it; load the model again with it",
             ))  # fmt: skip
         if cfg.strategy == "sample" and cfg.seed != self.seed:
             messages.append((
