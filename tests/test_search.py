@@ -528,3 +528,14 @@ def test_the_stopping_rule_holds_on_a_trained_model(
             full = search(model, src, mask, decode, 100)
         for got, want in zip(exact, full, strict=True):
             assert [h.score for h in got] == pytest.approx([h.score for h in want], abs=1e-4)
+
+
+def test_a_sentence_that_can_end_at_once_keeps_its_own_hypotheses_in_a_batch() -> None:
+    """min_len 0: EOS can finish a hypothesis at the first step, when each sentence has one row, not K."""
+    decode = cfg(beam_size=3, nbest=3, min_len=0, length_penalty=1.0)
+    script = random_script(7, words=2, eos=0.4)
+    together = run(script, decode, "beam", n_sentences=3)
+    for i, sentence in enumerate(together):
+        src, mask = sources(3, ids=(10 + i,))
+        (alone,) = search(ScriptedModel(script), src, mask, replace(decode, strategy="beam"), 100)
+        assert [tuple(h.tokens) for h in alone] == [tokens for tokens, _ in sentence]

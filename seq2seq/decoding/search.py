@@ -364,7 +364,8 @@ class Finished:
         eos = torch.full((rows.shape[0], 1), EOS, dtype=history.dtype, device=history.device)
         tokens = torch.cat([history[rows, 1:], eos], dim=1)
         scores = torch.cat([step_scores[rows], eos_logprobs[rows, None]], dim=1)
-        self.found.append((sentence[torch.div(rows, self.K, rounding_mode="floor")], tokens, scores))
+        rows_per_sentence = history.shape[0] // out.finishing.shape[0]  # 1 at the first step, K after
+        self.found.append((sentence[torch.div(rows, rows_per_sentence, rounding_mode="floor")], tokens, scores))
 
     def drop(self, keep: Tensor) -> None:
         """Follow the searching sentences when some stop: keep (B',) their indices."""
