@@ -660,8 +660,8 @@ class DecodeConfig(Section):
     quantize: Literal["none", "int8"] = setting(
         "none",
         "`int8`: the decoder's linear layers run in int8 on the CPU (weights quantized per output row when the model "
-        "is opened, inputs at every step; the checkpoint stays float32); not on CUDA, not for an RNN; validation "
-        "always decodes in float32",
+        "is opened, inputs per row at every step; the checkpoint stays float32), not on CUDA nor for an RNN; a "
+        "CTranslate2 model loads with compute type int8; validation always decodes in float32",
     )
 
     def check(self) -> None:

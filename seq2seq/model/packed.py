@@ -67,8 +67,8 @@ def int8_linear(weight: Tensor, bias: Tensor | None, relu: bool = False) -> Line
         rows = x.reshape(-1, x.shape[-1])
         scale = rows.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12).div_(levels)  # (N, 1)
         x_int8 = torch.div(rows, scale).round_().to(torch.int8)
-        y = torch._int_mm(x_int8, w_int8).float().mul_(scale)  # (N, out)
-        y = torch.addcmul(b, y, w_scale) if b is not None else y.mul_(w_scale)
+        y = torch._int_mm(x_int8, w_int8).float().mul_(scale)  # (N, out): the int32 sums, scaled per row
+        y = torch.addcmul(b, y, w_scale, out=y) if b is not None else y.mul_(w_scale)
         if relu:
             y = y.relu_()
         return y.view(*x.shape[:-1], y.shape[-1])
