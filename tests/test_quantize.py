@@ -250,3 +250,18 @@ def test_an_export_translates_with_ctranslate2_int8(trained_run: Path, corpus: P
     assert same >= 0.9 * len(lines)
     assert "quantize" in [key for key, _ in fp32.with_decode(quantize="int8")._unhonoured()]
     assert "quantize" not in [key for key, _ in int8._unhonoured()]
+
+
+def test_bench_decode_compares_int8_with_float32(trained_run: Path, corpus: Path, tmp_path: Path) -> None:
+    import json
+
+    from test_scripts import run_script
+
+    results = tmp_path / "bench.json"
+    args = ["--compare", "quantize", "-c", str(trained_run / "checkpoint_best.pt"), "--src", str(corpus / "test.src")]
+    args += ["-n", "8", "--rounds", "1", "--beam", "2", "--threads", "1", "--json", str(results)]
+    proc = run_script("bench/bench_decode.py", *args, cwd=tmp_path)
+    ratios = [line.split(":")[0] for line in proc.stdout.splitlines() if "int8 / fp32 speed = " in line]
+    assert ratios == ["greedy", "beam"]
+    summary = json.loads(results.read_text(encoding="utf-8"))
+    assert set(summary["runs"]) == {"greedy int8", "greedy fp32", "beam2 int8", "beam2 fp32"}
