@@ -513,7 +513,6 @@ def test_stopping_early_never_loses_what_the_beam_would_find_by_max_len(
             full = run(script, decode, "beam", n_sentences=4)
         for got, want in zip(exact, full, strict=True):
             assert [s for _, s in got] == pytest.approx([s for _, s in want], abs=1e-5)
-            assert got[0][0] == want[0][0] or got[0][1] == pytest.approx(want[0][1], abs=1e-6)
 
 
 def test_the_stopping_rule_holds_on_a_trained_model(

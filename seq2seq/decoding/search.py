@@ -405,6 +405,7 @@ def beam_search(
     history = torch.full((B, 1), BOS, dtype=torch.long, device=device)  # (N, step + 1)
     step_scores = torch.zeros(B, 0, device=device)  # (N, step)
     finished = Finished(B, K, cfg.length_penalty, device)
+    exact = cfg.beam_stop == "exact"
     for step in itertools.count():  # ends: EOS is forced once step reaches max_len
         interrupt.check_cancelled()
         logits = session.step(history[:, -1:])  # (N, V)
@@ -417,7 +418,6 @@ def beam_search(
         step_scores = torch.cat([step_scores[rows], (logits[rows, tokens] - lse[rows])[:, None]], dim=1)
         expanding = scores.shape[1] != K
         scores, max_len = out.next_scores, max_len[rows]
-        exact = cfg.beam_stop == "exact"
         searching = still_searching(scores, finished.kth, step, max_len.view(scores.shape), cfg.length_penalty, exact)
         if not searching.any():
             break

@@ -215,7 +215,7 @@ class CTranslate2Translator(TextTranslator):
             scored = self.engine.score_batch([src[i] for i, _ in rescore], [found[i][k] for i, k in rescore])
             logprobs = {key: list(result.log_probs) for key, result in zip(rescore, scored)}
         return [
-            hypotheses(found[i], scores[i], [logprobs.get((i, k)) for k in range(len(found[i]))], self)
+            hypotheses(found[i], scores[i], [logprobs.get((i, k)) for k in range(len(found[i]))], cfg, self.tokenizer)
             for i in range(len(sources))
         ]
 
@@ -239,14 +239,18 @@ def engine_options(cfg: DecodeConfig, tokenizer: Tokenizer) -> dict[str, Any]:
 
 
 def hypotheses(
-    found: list[list[str]], scores: list[float | None], logprobs: list[list[float] | None], by: TextTranslator
+    found: list[list[str]],
+    scores: list[float | None],
+    logprobs: list[list[float] | None],
+    cfg: DecodeConfig,
+    tokenizer: Tokenizer,
 ) -> list[Hypothesis]:
     """CTranslate2's hypotheses as this project's: token ids ending with EOS, GNMT-normalised scores, the best
-    `by`'s decode settings keep."""
-    cfg, alpha = by.decode, by.decode.length_penalty
+    that `cfg` keeps."""
+    alpha = cfg.length_penalty
     out = []
     for pieces, score, per_token in zip(found, scores, logprobs):
-        ids = [by.tokenizer.tgt.piece_to_id(p) for p in pieces] + [EOS]
+        ids = [tokenizer.tgt.piece_to_id(p) for p in pieces] + [EOS]
         if per_token is not None:
             total = sum(per_token)
         else:  # CTranslate2's score is the sum over length**alpha, EOS counted
