@@ -265,3 +265,16 @@ def test_bench_decode_compares_int8_with_float32(trained_run: Path, corpus: Path
     assert ratios == ["greedy", "beam"]
     summary = json.loads(results.read_text(encoding="utf-8"))
     assert set(summary["runs"]) == {"greedy int8", "greedy fp32", "beam2 int8", "beam2 fp32"}
+
+
+def test_a_process_limited_below_vnni_quantizes_weights_to_7_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN capped at AVX2 (as scripts/cpu_kinds.sh runs an AVX2-only CPU) saturates 8-bit products in int16."""
+    from seq2seq.model import packed
+
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    packed.has_vnni.cache_clear()
+    try:
+        assert not packed.has_vnni()
+    finally:
+        monkeypatch.undo()
+        packed.has_vnni.cache_clear()

@@ -18,6 +18,7 @@ both ways.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 
 import torch
@@ -50,22 +51,21 @@ def packed_linear(weight: Tensor, bias: Tensor | None, relu: bool = False) -> Li
 def int8_linear(weight: Tensor, bias: Tensor | None, relu: bool = False) -> Linear:
     """`F.linear` (then ReLU) in int8, for `decode.quantize: int8`, with row-wise scales on both sides.
 
-    The weight (out, in) is quantized once, per output row (symmetric: scale max|w| / 127); each call
-    quantizes its input per row likewise (7 bits without VNNI, see `has_vnni`), multiplies in int8 with
+    The weight (out, in) is quantized once, per output row (symmetric: scale max|w| / 127; 7 bits, / 63,
+    without VNNI, see `has_vnni`); each call quantizes its input per row likewise, multiplies in int8 with
     exact int32 sums (`torch._int_mm`, oneDNN's int8 GEMM) and scales the sums back to float32 by the
     row's and the column's scale. Every row is quantized on its own, so a hypothesis's logits do not depend
     on the other rows of its batch: batch invariance and cache == uncached hold as in float32. (PyTorch's
     `quantized.linear_dynamic` quantizes the input per tensor, which couples the rows; it was no faster.)
     """
     w = weight.detach().float()
-    w_scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127  # (out,)
+    w_scale = w.abs().amax(dim=1).clamp(min=1e-12) / (127 if has_vnni() else 63)  # (out,)
     w_int8 = torch.round(w / w_scale[:, None]).to(torch.int8).t()  # (in, out)
     b = None if bias is None else bias.detach().float()
-    levels = 127 if has_vnni() else 63
 
     def linear(x: Tensor) -> Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        scale = rows.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12).div_(levels)  # (N, 1)
+        scale = rows.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12).div_(127)  # (N, 1)
         x_int8 = torch.div(rows, scale).round_().to(torch.int8)
         y = torch._int_mm(x_int8, w_int8).float().mul_(scale)  # (N, out): the int32 sums, scaled per row
         y = torch.addcmul(b, y, w_scale, out=y) if b is not None else y.mul_(w_scale)
@@ -78,15 +78,26 @@ def int8_linear(weight: Tensor, bias: Tensor | None, relu: bool = False) -> Line
 
 @functools.cache
 def has_vnni() -> bool:
-    """Whether the CPU multiplies 8-bit integers with 32-bit sums (AVX-512 VNNI, AVX-VNNI, AMX): then an input is
-    quantized to the full int8 range; without it, to 7 bits, as PyTorch's x86 backend does (`reduce_range`), since
-    AVX2 sums pairs of 8-bit products in a saturating int16."""
+    """Whether the CPU multiplies 8-bit integers with 32-bit sums (AVX-512 VNNI, AVX-VNNI, AMX): then a weight is
+    quantized to the full int8 range; without it, to 7 bits, since oneDNN's AVX2 kernel shifts the input to
+    unsigned (0..255) and sums pairs of 8-bit products in a saturating int16: 2 x 255 x 63 fits, 2 x 255 x 127
+    does not (measured: sums off by up to 24,768 with 7-bit inputs and 8-bit weights, exact with 8-bit inputs
+    and 7-bit weights).
+
+    A process that limits oneDNN below VNNI (`ONEDNN_MAX_CPU_ISA=AVX2`, as `scripts/cpu_kinds.sh` sets it to run
+    as an AVX2-only CPU) gets oneDNN's AVX2 kernels, so it counts as a CPU without VNNI.
+    """
+    if os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper() in _ONEDNN_WITHOUT_VNNI:
+        return False
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), "").split()
     except OSError:
         return False
     return any(flag in flags for flag in ("avx512_vnni", "avx_vnni", "amx_int8"))
+
+
+_ONEDNN_WITHOUT_VNNI = frozenset({"SSE41", "AVX", "AVX2", "AVX512_CORE"})  # oneDNN's instruction sets below VNNI
 
 
 @functools.cache
