@@ -559,7 +559,11 @@ class OptimConfig(Section):
     betas: tuple[float, float] = setting((0.9, 0.98), "Adam's betas", min=0, below=1)
     eps: float = setting(1e-9, "Adam's epsilon", above=0)
     weight_decay: float = setting(0.0, "weight decay", min=0)
-    schedule: Literal["inverse_sqrt", "noam", "cosine", "constant"] = setting("inverse_sqrt", "learning-rate schedule")
+    schedule: Literal["inverse_sqrt", "noam", "cosine", "constant"] = setting(
+        "inverse_sqrt",
+        "learning-rate schedule (`cosine` decays to 0 at the first limit reached: train.max_steps, the last epoch's "
+        "end or train.max_minutes, its updates projected from the rate so far)",
+    )
     warmup_steps: int = setting(1000, "updates of linear warmup (`noam` needs some)", min=0)
     label_smoothing: float = setting(0.1, "label smoothing of the loss", min=0, below=1)
     rdrop_alpha: float = setting(

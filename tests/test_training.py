@@ -29,7 +29,8 @@ from seq2seq.text.corpus import Batch, collate_pairs
 from seq2seq.training import update as update_module
 from seq2seq.training.assembly import TrainingRun, assemble
 from seq2seq.training.monitor import read_metrics
-from seq2seq.training.optim import lr_at
+from seq2seq.config import OptimConfig
+from seq2seq.training.optim import Schedule, lr_at, projected_updates
 from seq2seq.training.trainer import Trainer, train
 
 # Small batches of a small corpus: 14 batches an epoch, a few milliseconds an update. One thread: on a
@@ -107,6 +108,39 @@ def test_schedules_are_pure_functions_of_the_step() -> None:
         assert first == [lr_at(s, schedule, 1e-3, 20, 200) for s in range(1, 300)]
     with pytest.raises(ValueError, match="unknown schedule"):
         lr_at(1, "linear", 1e-3, 10)
+
+
+def test_a_time_limited_run_is_projected_from_its_rate_so_far() -> None:
+    assert projected_updates(100, elapsed=30.0, max_minutes=1.0) == 200
+    assert projected_updates(100, elapsed=90.0, max_minutes=1.0) == 100  # out of time: no more than made
+    assert projected_updates(0, elapsed=0.0, max_minutes=1.0) == 0  # nothing to project from yet
+    assert projected_updates(100, elapsed=30.0, max_minutes=0.0) == 0  # no time limit
+
+
+def test_a_decaying_schedule_ends_at_the_first_limit_reached() -> None:
+    optim = OptimConfig(schedule="cosine", lr=1e-3, warmup_steps=10)
+    by_steps = Schedule(optim, planned=110, max_minutes=0.0, d_model=256)
+    assert [by_steps(s, elapsed=10**6) for s in (5, 60, 110)] == [
+        lr_at(s, "cosine", 1e-3, 10, 110) for s in (5, 60, 110)
+    ]
+    timed = Schedule(optim, planned=10_000, max_minutes=1.0, d_model=256)
+    # 59 updates made in 30 of the 60 seconds: 118 in all, half of the decay after warm-up left.
+    assert timed(60, elapsed=30.0) == pytest.approx(lr_at(60, "cosine", 1e-3, 10, 118))
+    assert timed(60, elapsed=59.9) < 1e-3 * 0.01  # time is nearly up: the rate is nearly 0
+    assert timed(60, elapsed=0.1) == lr_at(60, "cosine", 1e-3, 10, 10_000)  # the step limit comes first
+    assert Schedule(optim, planned=0, max_minutes=0.0, d_model=256)(500) == 1e-3  # no limit: no decay
+
+
+@pytest.mark.trains
+def test_a_run_bound_by_time_decays_its_rate_to_the_end(small: Path, tmp_path: Path) -> None:
+    """The cosine of a run that train.max_minutes stops has nearly reached 0 at its last update."""
+    run = tmp_path / "timed"
+    train(config(small, run, "optim.schedule=cosine", "optim.warmup_steps=0", "train.max_minutes=0.05"))
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r["reason"] for r in rows if r["event"] == "finish"] == ["max_minutes"]
+    rates = [r["lr"] for r in rows if r["event"] == "train"]
+    assert len(rates) > 10
+    assert rates[-1] < 0.1 * max(rates)
 
 
 # Gradient accumulation.

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +34,7 @@ from seq2seq.training import finetune
 from seq2seq.training.budget import plan_warnings
 from seq2seq.training.epochs import EpochSource
 from seq2seq.training.monitor import Sinks
-from seq2seq.training.optim import lr_schedule
+from seq2seq.training.optim import Schedule, lr_schedule
 from seq2seq.training.saving import Saver
 from seq2seq.training.setup import (
     prepared_path,
@@ -79,7 +78,7 @@ class TrainingRun:
     epochs: EpochSource
     model: Seq2SeqModel
     update: UpdateStep  # with the optimizer and the gradient scaler
-    lr: Callable[[int], float]  # the learning rate of update k
+    lr: Schedule  # the learning rate of update k, so many training seconds into the run
     policy: StopPolicy
     validator: Validator
     progress: Progress  # where the run is: a fresh run's, or a resumed one's

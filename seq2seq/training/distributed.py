@@ -92,11 +92,6 @@ def sum_tensors(values: torch.Tensor) -> torch.Tensor:
     return values
 
 
-def any_all(flags: list[bool], device: torch.device) -> list[bool]:
-    """Each flag True on every rank if it is True on any rank (a stop signal, a time limit)."""
-    return [total > 0 for total in sum_all([float(f) for f in flags], device)]
-
-
 def broadcast_from_main(values: list[Any]) -> list[Any]:
     """Rank 0's values on every rank (identity for one process)."""
     if world_size() == 1:

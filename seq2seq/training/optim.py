@@ -1,14 +1,19 @@
-"""Optimizers and learning-rate schedules; each schedule is a pure function of the step."""
+"""Optimizers and learning-rate schedules.
+
+Each schedule is a pure function of the step and the run's length in updates. A run whose binding limit is
+train.max_minutes does not know its length in updates: its length is projected from its rate so far (the
+updates made over the fraction of the time used), so a decaying schedule reaches its end when time does.
+"""
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from seq2seq.config import OptimConfig, TrainConfig
+from seq2seq.training.budget import planned_updates
 
 
 def lr_at(step: int, schedule: str, lr: float, warmup: int, total_steps: int = 0, d_model: int = 512) -> float:
@@ -45,9 +50,31 @@ def build_optimizer(model: torch.nn.Module, o: OptimConfig) -> torch.optim.Optim
     return kind(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, fused=True)
 
 
-def lr_schedule(o: OptimConfig, t: TrainConfig, d_model: int, updates_per_epoch: int) -> Callable[[int], float]:
-    """The learning rate of each update of a run; the cosine ends at train.max_steps (or the last epoch's end)."""
-    total = t.max_steps or updates_per_epoch * t.max_epochs
-    return functools.partial(
-        lr_at, schedule=o.schedule, lr=o.lr, warmup=o.warmup_steps, total_steps=total, d_model=d_model
-    )
+def projected_updates(done: int, elapsed: float, max_minutes: float) -> int:
+    """The updates a run will have made when its `max_minutes` run out, at its rate so far (0: no time limit)."""
+    if not max_minutes or done <= 0 or elapsed <= 0:
+        return 0
+    return max(done, math.ceil(done * 60 * max_minutes / elapsed))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The learning rate of each update of a run: a decaying schedule (cosine) ends at the first limit reached,
+    train.max_steps, the last epoch's end or train.max_minutes (projected from the rate so far)."""
+
+    optim: OptimConfig
+    planned: int  # updates until max_steps or the last epoch's end; 0: no such limit
+    max_minutes: float  # 0: no time limit
+    d_model: int
+
+    def __call__(self, step: int, elapsed: float = 0.0) -> float:
+        """The rate of update `step` (1-based), `elapsed` training seconds into the run (the same on every rank)."""
+        o = self.optim
+        limits = (self.planned, projected_updates(step - 1, elapsed, self.max_minutes))
+        total = min((n for n in limits if n), default=0)
+        return lr_at(step, o.schedule, o.lr, o.warmup_steps, total, self.d_model)
+
+
+def lr_schedule(o: OptimConfig, t: TrainConfig, d_model: int, updates_per_epoch: int) -> Schedule:
+    """The learning-rate schedule of a run of config sections `o` and `t` with `updates_per_epoch`."""
+    return Schedule(o, planned_updates(t, updates_per_epoch), t.max_minutes, d_model)

@@ -53,6 +53,7 @@ class Trainer:
         self.saver, self.sinks, self.run_id = parts.saver, parts.sinks, parts.run_id
         self.meter, self.stop, self.start_time = monitor.Meter(), Interrupts(library_checks=False), time.monotonic()
         self.validation_seconds = 0.0  # this session's, for its share of the wall time
+        self.run_seconds = self.progress.elapsed  # training seconds at the last stop check, the same on every rank
 
     # The loop.
 
@@ -92,7 +93,8 @@ class Trainer:
                     reason = self._finish_update(*launched, bar)
                     if reason:
                         return reason
-                launched = self.update.launch(group, p.step + 1, self.lr(p.step + 1)), start + len(group)
+                lr = self.lr(p.step + 1, self.run_seconds)
+                launched = self.update.launch(group, p.step + 1, lr), start + len(group)
             if launched is not None:
                 reason = self._finish_update(*launched, bar)
                 if reason:
@@ -139,10 +141,9 @@ class Trainer:
 
     def should_stop(self) -> str:
         """Why training must stop now ('' if it need not); every rank gets the same answer."""
-        signalled, out_of_time = dist.any_all(
-            [self.stop.received is not None, self.policy.out_of_time(self.elapsed())], self.device
-        )
-        return self.policy.reason(self.progress, signalled, out_of_time)
+        signals, seconds = dist.sum_all([float(self.stop.received is not None), self.elapsed()], self.device)
+        self.run_seconds = seconds / dist.world_size()  # the ranks' mean: one learning rate for all
+        return self.policy.reason(self.progress, signals > 0, self.policy.out_of_time(self.run_seconds))
 
     def elapsed(self) -> float:
         """Training seconds over all the processes of this run."""
