@@ -371,9 +371,9 @@ class DataConfig(Section):
 
 
 POSITIONS = ("sinusoidal", "learned", "relative", "rope", "t5_bias", "none")
-# Long encoder attention: T5's bias is a dense (S, S) table, Shaw et al.'s relative vectors are not computed by the
-# blocked path; Linformer's projected keys mix positions, so no position can be inside its attention.
-LOCAL_POSITIONS = ("sinusoidal", "learned", "rope", "none")
+# Long encoder attention: T5's bias is a dense (S, S) table; Linformer's projected keys mix positions, so no
+# position can be inside its attention.
+LOCAL_POSITIONS = ("sinusoidal", "learned", "relative", "rope", "none")
 LINFORMER_POSITIONS = ("sinusoidal", "learned", "none")
 MAX_RANDOM_LINKS = 64  # model.transformer.random_links
 

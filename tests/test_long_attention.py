@@ -21,6 +21,7 @@ from torch import Tensor
 from seq2seq.cli import main
 from seq2seq.errors import ConfigError
 from seq2seq.model.long_attention import DENSE_UP_TO, LinformerAttention, LocalGlobalAttention, random_links
+from seq2seq.model.positions import RelativePositions
 from seq2seq.text.vocab import EOS, PAD
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -35,19 +36,23 @@ def real_positions(lengths: list[int], length: int) -> Tensor:
     return torch.arange(length)[None, :] < torch.tensor(lengths)[:, None]  # (B, S) True at real positions
 
 
+@pytest.mark.parametrize("relative", [False, True])
 @pytest.mark.parametrize(("window", "global_tokens", "links"), [(1, 0, 0), (3, 2, 2), (5, 3, 4), (20, 4, 3)])
-def test_the_blocked_path_equals_the_dense_mask(window: int, global_tokens: int, links: int) -> None:
-    """Long inputs are computed in chunks; the result is the dense mask's, padding, global tokens, links and all,
-    and so are the gradients (no NaN from the padding rows)."""
+def test_the_blocked_path_equals_the_dense_mask(window: int, global_tokens: int, links: int, relative: bool) -> None:
+    """Long inputs are computed in chunks; the result is the dense mask's, padding, global tokens, links and
+    Shaw et al.'s relative positions (clipped at 3) and all, and so are the gradients (no NaN from padding rows)."""
     q, k, v = qkv(70)
     real = real_positions([70, 50, 23], 70)
     attention = LocalGlobalAttention(window, global_tokens, links)
-    for x in (q, k, v):
-        x.requires_grad_(True)
-    dense = attention.dense(q, k, v, real, 0.0)
-    dense_grads = torch.autograd.grad(dense[real[:, None, :, None].expand_as(dense)].sum(), (q, k, v))
-    blocked = attention.blocked(q, k, v, real, 0.0)
-    blocked_grads = torch.autograd.grad(blocked[real[:, None, :, None].expand_as(blocked)].sum(), (q, k, v))
+    torch.manual_seed(0)
+    positions = RelativePositions(8, 3) if relative else None
+    inputs = [x.requires_grad_(True) for x in (q, k, v)]
+    if positions is not None:
+        inputs += list(positions.parameters())
+    dense = attention.dense(q, k, v, real, 0.0, positions)
+    dense_grads = torch.autograd.grad(dense[real[:, None, :, None].expand_as(dense)].sum(), inputs)
+    blocked = attention.blocked(q, k, v, real, 0.0, positions)
+    blocked_grads = torch.autograd.grad(blocked[real[:, None, :, None].expand_as(blocked)].sum(), inputs)
     torch.testing.assert_close(blocked, dense, **CLOSE)
     for got, expected in zip(blocked_grads, dense_grads):
         assert torch.isfinite(got).all()
@@ -110,6 +115,7 @@ def test_random_links_are_fixed_real_and_independent_of_the_padding() -> None:
     "settings",
     [
         {"attention": "local_global", "window": 16, "global_tokens": 2, "random_links": 2},
+        {"attention": "local_global", "window": 8, "global_tokens": 1, "positions": "relative"},
         {"attention": "linformer", "linformer_length": 16},
     ],
 )

@@ -54,6 +54,13 @@ VARIANTS = {
     # the encoder's long attention: windows, global tokens and random links narrower than the test sources
     "local_global": {"attention": "local_global", "window": 1, "global_tokens": 1, "random_links": 2},
     "local_global-rope-post": {"attention": "local_global", "window": 2, "positions": "rope", "norm": "post"},
+    "local_global-relative": {
+        "attention": "local_global",
+        "window": 2,
+        "global_tokens": 1,
+        "positions": "relative",
+        "max_relative_distance": 3,
+    },
     "linformer": {"attention": "linformer", "linformer_length": 4},
     "linformer-learned-post": {"attention": "linformer", "linformer_length": 9, "positions": "learned", "norm": "post"},
 }

@@ -174,7 +174,7 @@ class MultiHeadAttention(nn.Module):
         dropout = self.dropout if self.training else 0.0
         if self.long is not None:  # an encoder's: mask (B, 1, 1, S), no cache
             assert mask is not None and not mask.is_floating_point() and cache is None
-            heads = self.long(q, k, v, mask[:, 0, 0, :], dropout)
+            heads = self.long(q, k, v, mask[:, 0, 0, :], dropout, self.relative)
         elif self.relative is not None:  # Shaw et al.'s attention, spelled out
             heads = self.relative.attend(q, k, v, start, mask, causal, dropout)
         else:

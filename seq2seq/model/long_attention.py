@@ -22,6 +22,8 @@ and values are zeroed before the projection: a sentence gets the same result alo
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +31,7 @@ from torch import Tensor, nn
 
 from seq2seq.config import TransformerConfig
 from seq2seq.errors import ConfigError
+from seq2seq.model.positions import RelativePositions
 
 DENSE_UP_TO = 512
 """local_global computes inputs up to this length with a dense (S, S) mask, longer ones blocked."""
@@ -38,9 +41,12 @@ MIN_CHUNK = 16
 
 
 class LongAttention(nn.Module):
-    """An encoder self-attention that is not full: (q, k, v (B, H, S, Dh), real (B, S), dropout) -> (B, H, S, Dh)."""
+    """An encoder self-attention that is not full: (q, k, v (B, H, S, Dh), real (B, S), dropout, the layer's
+    relative positions or None) -> (B, H, S, Dh)."""
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, real: Tensor, dropout: float) -> Tensor:
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, real: Tensor, dropout: float, relative: RelativePositions | None = None
+    ) -> Tensor:
         raise NotImplementedError
 
 
@@ -74,14 +80,18 @@ class LocalGlobalAttention(LongAttention):
         self.global_tokens = global_tokens
         self.links = links
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, real: Tensor, dropout: float) -> Tensor:
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, real: Tensor, dropout: float, relative: RelativePositions | None = None
+    ) -> Tensor:
         if q.shape[2] <= DENSE_UP_TO:
-            return self.dense(q, k, v, real, dropout)
-        return self.blocked(q, k, v, real, dropout)
+            return self.dense(q, k, v, real, dropout, relative)
+        return self.blocked(q, k, v, real, dropout, relative)
 
-    def dense(self, q: Tensor, k: Tensor, v: Tensor, real: Tensor, dropout: float) -> Tensor:
+    def dense(
+        self, q: Tensor, k: Tensor, v: Tensor, real: Tensor, dropout: float, relative: RelativePositions | None = None
+    ) -> Tensor:
         """Attention with the dense mask: memory grows with S * S."""
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask(real), dropout_p=dropout)
+        return attend(q, k, v, self.mask(real), dropout, relative)
 
     def mask(self, real: Tensor) -> Tensor:
         """(B, S) -> (B, 1, S, S), True where query i may attend to key j."""
@@ -107,51 +117,100 @@ class LocalGlobalAttention(LongAttention):
         at_real = real.gather(1, links.flatten(1)).view_as(links)  # padding sits after the sentence: always
         return links, valid & ~repeated & at_real
 
-    def blocked(self, q: Tensor, k: Tensor, v: Tensor, real: Tensor, dropout: float) -> Tensor:
-        """The same attention in chunks of C queries: memory grows with S * (C + 2W + G + R)."""
+    def blocked(
+        self, q: Tensor, k: Tensor, v: Tensor, real: Tensor, dropout: float, relative: RelativePositions | None = None
+    ) -> Tensor:
+        """The same attention in chunks of C queries: memory grows with S * (C + 2W + G + R).
+
+        Each query's keys come in three parts, scored together in one softmax: its chunk's band (the chunk and W
+        keys either side, shared by the chunk's queries), the G global keys, and its R random links."""
         B, H, S, Dh = q.shape
         W, G, C = self.window, min(self.global_tokens, S), max(self.window, MIN_CHUNK)
         n = math.ceil(S / C)
         P = n * C  # S padded to whole chunks
+        at = torch.arange(P, device=q.device).view(n, C, 1)  # each query's position
         qb = F.pad(q, (0, 0, 0, P - S)).view(B, H, n, C, Dh)
         band = (C + 2 * W, C)  # each chunk's keys: its own and W either side (unfold's size, step)
-        kb = F.pad(k, (0, 0, W, P - S + W)).unfold(2, *band)  # (B, H, n, Dh, C + 2W)
-        vb = F.pad(v, (0, 0, W, P - S + W)).unfold(2, *band).transpose(-1, -2)  # (B, H, n, C + 2W, Dh)
+        kb = F.pad(k, (0, 0, W, P - S + W)).unfold(2, *band).transpose(-1, -2)  # (B, H, n, C + 2W, Dh)
+        vb = F.pad(v, (0, 0, W, P - S + W)).unfold(2, *band).transpose(-1, -2)
         key_real = F.pad(real, (W, P - S + W)).unfold(1, *band)  # (B, n, C + 2W)
         offset = torch.arange(C + 2 * W, device=q.device)[None, :] - W - torch.arange(C, device=q.device)[:, None]
-        key_at = (
-            torch.arange(n, device=q.device)[:, None, None] * C + offset + torch.arange(C, device=q.device)[:, None]
-        )
-        in_band = (offset.abs() <= W) & (key_at >= G)  # (n, C, C + 2W): global keys come separately
-        band_ok = (in_band[None] & key_real[:, :, None, :]) | (offset == 0)  # (B, n, C, C + 2W)
-        scale = 1.0 / math.sqrt(Dh)
-        scores = [qb @ kb * scale, qb @ k[:, :, None, :G].transpose(-1, -2) * scale]  # (B, H, n, C, *)
-        allowed = [band_ok[:, None], real[:, None, None, None, :G].expand(B, 1, n, C, G)]
+        in_band = (offset.abs() <= W) & (at + offset >= G)  # (n, C, C + 2W): global keys come separately
+        parts = [
+            Part(kb, vb, (in_band[None] & key_real[:, :, None, :]) | (offset == 0), offset),  # (C, C + 2W) apart
+            Part(k[:, :, None, :G], v[:, :, None, :G], real[:, None, None, :G], torch.arange(G, device=q.device) - at),
+        ]
         if self.links:
             links, valid = self.random_keys(real, P)  # (B, P, R)
-            rk, rv = (gather_rows(x, links) for x in (k, v))  # (B, H, P, R, Dh)
-            scores.append(torch.einsum("bhpd,bhprd->bhpr", qb.reshape(B, H, P, Dh), rk).view(B, H, n, C, -1) * scale)
-            allowed.append(valid.view(B, 1, n, C, -1))
-        widths = [s.shape[-1] for s in scores]
-        weights = torch.cat(scores, -1).masked_fill(~torch.cat(allowed, -1), float("-inf")).softmax(dim=-1)
-        parts = F.dropout(weights, dropout, dropout > 0).split(widths, dim=-1)
-        out = parts[0] @ vb + parts[1] @ v[:, :, None, :G]  # (B, H, n, C, Dh)
-        if self.links:
-            out = out + torch.einsum("bhpr,bhprd->bhpd", parts[2].reshape(B, H, P, -1), rv).view(B, H, n, C, Dh)
-        out = out.view(B, H, P, Dh)[:, :, :S]
+            chunked = links.view(B, n, C, -1)
+            parts.append(Part(gather_rows(k, chunked), gather_rows(v, chunked), valid.view(B, n, C, -1), chunked - at))
+        scores = [part.scores(qb, relative) for part in parts]  # (B, H, n, C, *)
+        allowed = torch.cat([part.allowed[:, None].expand(B, 1, n, C, -1) for part in parts], -1)
+        weights = torch.cat(scores, -1).masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+        weights = F.dropout(weights, dropout, dropout > 0)
+        out = sum(part.read(w, relative) for part, w in zip(parts, weights.split([s.shape[-1] for s in scores], -1)))
+        out = cast(Tensor, out).reshape(B, H, P, Dh)[:, :, :S]
         if G == 0:
             return out
         everything = real[:, None, None, :] | torch.eye(G, S, dtype=torch.bool, device=q.device)  # (B, 1, G, S)
-        heads = F.scaled_dot_product_attention(q[:, :, :G], k, v, attn_mask=everything, dropout_p=dropout)
+        heads = attend(q[:, :, :G], k, v, everything, dropout, relative)
         return torch.cat([heads, out[:, :, G:]], dim=2)
 
 
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout: float, relative: RelativePositions | None) -> Tensor:
+    """Attention of queries at 0.. over keys at 0.., mask (B, 1, Lq or 1, Lk) True where allowed."""
+    if relative is not None:
+        return relative.attend(q, k, v, 0, mask, False, dropout)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+
+
+@dataclass
+class Part:
+    """One part of the keys of each chunk's queries in `LocalGlobalAttention.blocked`.
+
+    keys, values: (B, H, n or 1, K, Dh) shared by a chunk's queries, or (B, H, n, C, K, Dh) each query's own;
+    allowed: (B or 1, n or 1, C, K); distance: j - i of each query and key, (C, K), (n, C, K) or (B, n, C, K)
+    (only Shaw et al.'s relative positions read it: their vectors are looked up per distance, never per head)."""
+
+    keys: Tensor
+    values: Tensor
+    allowed: Tensor
+    distance: Tensor
+
+    def scores(self, q: Tensor, relative: RelativePositions | None) -> Tensor:
+        """q (B, H, n, C, Dh) -> scaled scores (B, H, n, C, K), with Shaw et al.'s key term."""
+        if self.keys.dim() == 5:
+            scores = q @ self.keys.transpose(-1, -2)
+        else:
+            scores = torch.einsum("bhnqd,bhnqkd->bhnqk", q, self.keys)
+        if relative is not None:
+            scores = scores + torch.einsum(f"bhnqd,{self.subscripts()}->bhnqk", q, self.vectors(relative.keys))
+        return scores / math.sqrt(q.shape[-1])
+
+    def read(self, weights: Tensor, relative: RelativePositions | None) -> Tensor:
+        """weights (B, H, n, C, K) -> (B, H, n, C, Dh), with Shaw et al.'s value term."""
+        if self.values.dim() == 5:
+            out = weights @ self.values
+        else:
+            out = torch.einsum("bhnqk,bhnqkd->bhnqd", weights, self.values)
+        if relative is not None:
+            out = out + torch.einsum(f"bhnqk,{self.subscripts()}->bhnqd", weights, self.vectors(relative.values))
+        return out
+
+    def subscripts(self) -> str:
+        return {2: "qkd", 3: "nqkd", 4: "bnqkd"}[self.distance.dim()]
+
+    def vectors(self, table: nn.Embedding) -> Tensor:
+        """The vectors of the clipped distances, (..., C, K, Dh)."""
+        clip = (table.num_embeddings - 1) // 2
+        return table(self.distance.clamp(-clip, clip) + clip)
+
+
 def gather_rows(x: Tensor, index: Tensor) -> Tensor:
-    """x (B, H, S, Dh) at positions index (B, P, R) -> (B, H, P, R, Dh)."""
+    """x (B, H, S, Dh) at positions index (B, ...) -> (B, H, ..., Dh)."""
     B, H, _, Dh = x.shape
-    P, R = index.shape[1:]
-    flat = index.reshape(B, 1, P * R, 1).expand(B, H, P * R, Dh)
-    return x.gather(2, flat).view(B, H, P, R, Dh)
+    flat = index.reshape(B, 1, -1, 1).expand(B, H, -1, Dh)
+    return x.gather(2, flat).view(B, H, *index.shape[1:], Dh)
 
 
 class LinformerAttention(LongAttention):
@@ -165,7 +224,10 @@ class LinformerAttention(LongAttention):
         nn.init.xavier_normal_(self.key_projection)
         nn.init.xavier_normal_(self.value_projection)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, real: Tensor, dropout: float) -> Tensor:
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, real: Tensor, dropout: float, relative: RelativePositions | None = None
+    ) -> Tensor:
+        """`relative` is always None: the config refuses relative positions with linformer."""
         S, limit = k.shape[2], self.key_projection.shape[0]
         if S > limit:
             raise ConfigError(
