@@ -370,6 +370,14 @@ class DataConfig(Section):
         return out
 
 
+POSITIONS = ("sinusoidal", "learned", "relative", "rope", "t5_bias", "none")
+# Long encoder attention: T5's bias is a dense (S, S) table; Linformer's projected keys mix positions, so no
+# position can be inside its attention.
+LOCAL_POSITIONS = ("sinusoidal", "learned", "relative", "rope", "none")
+LINFORMER_POSITIONS = ("sinusoidal", "learned", "none")
+MAX_RANDOM_LINKS = 64  # model.transformer.random_links
+
+
 @dataclass(frozen=True)
 class TransformerConfig(Section):
     """The Transformer's own settings (model.arch: transformer); see seq2seq/model/transformer.py."""
@@ -406,12 +414,49 @@ class TransformerConfig(Section):
     t5_max_distance: int = setting(
         128, "`positions: t5_bias`: distances from this one on share the last bucket", min=2, limit=MAX_POSITIONS
     )
+    attention: Literal["full", "local_global", "linformer"] = setting(
+        "full",
+        "the encoder's self-attention (the decoder's is always full, causal): `full`; `local_global`: each "
+        "position attends within +-`window`, the first `global_tokens` attend to and are attended by all, plus "
+        "`random_links` (BigBird-style; linear memory on long inputs); `linformer`: keys and values projected along "
+        "the sequence to `linformer_length` (Wang et al., 2020)",
+    )
+    window: int = setting(
+        64, "`attention: local_global`: attend to positions within +-window", min=1, limit=MAX_POSITIONS
+    )
+    global_tokens: int = setting(
+        0,
+        "`attention: local_global`: the first N positions attend to and are attended by all",
+        min=0,
+        limit=MAX_POSITIONS,
+    )
+    random_links: int = setting(
+        0,
+        "`attention: local_global`: keys each position also attends to, chosen by a fixed hash of the position "
+        "within the sentence's length (deterministic)",
+        min=0,
+        limit=MAX_RANDOM_LINKS,
+    )
+    linformer_length: int = setting(
+        64,
+        "`attention: linformer`: k, the length keys and values are projected to by learned (model.max_positions, "
+        "k) matrices per layer; at most model.max_positions",
+        min=1,
+        limit=MAX_POSITIONS,
+    )
     scale_embedding: bool = setting(
         True, "token embeddings multiplied by sqrt(`model.d_model`) (false: some imported Marian models)"
     )
     output_bias: bool = setting(False, "a bias on the output projection (an imported Marian model's logits bias)")
 
     def check(self) -> None:
+        supported = {"full": POSITIONS, "local_global": LOCAL_POSITIONS, "linformer": LINFORMER_POSITIONS}
+        self.require(
+            self.positions in supported[self.attention],
+            "attention",
+            f"{self.attention} does not go with {self.key('positions')}: {self.positions} (it takes "
+            f"{', '.join(supported[self.attention])})",
+        )
         self.require(self.t5_buckets % 2 == 0, "t5_buckets", f"({self.t5_buckets}) must be even (two directions)")
         self.require(
             self.t5_max_distance > self.t5_buckets // 2,
@@ -496,6 +541,12 @@ class ModelConfig(Section):
                 "positions",
                 f"rope rotates pairs of dimensions: {self.key('d_model')} / {t.key('n_heads')} "
                 f"({self.d_model // t.n_heads}) must be even",
+            )
+            t.require(
+                t.attention != "linformer" or t.linformer_length <= self.max_positions,
+                "linformer_length",
+                f"({t.linformer_length}) must not exceed {self.key('max_positions')} ({self.max_positions}), the "
+                "longest input its projection is built for",
             )
 
     def dropouts(self) -> tuple[float, ...]:

@@ -51,6 +51,18 @@ VARIANTS = {
     # few buckets, so that the test lengths reach the logarithmic ones and the shared last one
     "t5_bias": {"positions": "t5_bias", "t5_buckets": 8, "t5_max_distance": 6},
     "t5_bias-post-rmsnorm": {"positions": "t5_bias", "norm": "post", "norm_type": "rmsnorm"},
+    # the encoder's long attention: windows, global tokens and random links narrower than the test sources
+    "local_global": {"attention": "local_global", "window": 1, "global_tokens": 1, "random_links": 2},
+    "local_global-rope-post": {"attention": "local_global", "window": 2, "positions": "rope", "norm": "post"},
+    "local_global-relative": {
+        "attention": "local_global",
+        "window": 2,
+        "global_tokens": 1,
+        "positions": "relative",
+        "max_relative_distance": 3,
+    },
+    "linformer": {"attention": "linformer", "linformer_length": 4},
+    "linformer-learned-post": {"attention": "linformer", "linformer_length": 9, "positions": "learned", "norm": "post"},
 }
 RNN_VARIANTS: dict[str, dict[str, Any]] = {
     "rnn-lstm-none-unidirectional": {"cell": "lstm", "attention": "none", "bidirectional": False},

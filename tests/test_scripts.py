@@ -256,3 +256,15 @@ def test_cpu_kinds_runs_marked_tests_as_another_cpu_kind_and_names_failures(tmp_
     assert failing.returncode == 1 and b"failed: default" in failing.stdout  # nothing ran: pytest's exit 5
     unknown = subprocess.run([*script, "sse9"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert unknown.returncode == 2 and "cannot run kind 'sse9'" in unknown.stderr
+
+
+def test_bench_long_attention_writes_a_table_and_a_plot_and_skips_what_would_take_too_long(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    table, picture = tmp_path / "long.md", tmp_path / "long.png"
+    args = ["--lengths", "32", "64", "--kinds", "full", "local_global", "--d-model", "16", "--heads", "2"]
+    args += ["--window", "4", "--repeats", "1", "--max-seconds", "1e-9", "--table", str(table), "--plot", str(picture)]
+    run_script("bench/bench_long_attention.py", *args, cwd=tmp_path)
+    rows = [line for line in table.read_text().splitlines() if line.startswith("| 32 ") or line.startswith("| 64 ")]
+    assert len(rows) == 2 and "skipped" not in rows[0] and "skipped: ~" in rows[1].split("|")[2]
+    assert rows[1].split("|")[3].count("/") == 1  # local_global measured at both lengths: seconds / MB
+    assert picture.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")

@@ -96,12 +96,19 @@ def _write(ctranslate2: Any, spec: Any, stored: Checkpoint, out: Path, quantizat
 
 
 def _check_exportable(stored: Checkpoint) -> None:
-    """CTranslate2's Transformer spec takes every Transformer variant; it has no recurrent model."""
+    """CTranslate2's Transformer spec takes every Transformer variant with full attention; it has no recurrent
+    model."""
     arch = stored.config.model.arch
     if arch != "transformer":
         raise ExportError(
             f"model.arch={arch} does not export to CTranslate2: it has no specification for recurrent models "
-            "(every Transformer variant exports)"
+            "(every Transformer variant exports but the encoder's long attention)"
+        )
+    t = stored.config.model.transformer
+    if t is not None and t.attention != "full":
+        raise ExportError(
+            f"model.transformer.attention={t.attention} does not export to CTranslate2, whose encoder attends "
+            "to every position (full attention only)"
         )
 
 

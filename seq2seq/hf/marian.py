@@ -305,6 +305,7 @@ def exportable(cfg: ExperimentConfig) -> None:
     if m.arch != "transformer" or t is None:
         raise UserError(f"model.arch={m.arch} does not export to Marian (a Transformer only)")
     for key, value, needed in (
+        ("attention", t.attention, "full"),  # the encoder's long attention first: nothing else could express it
         ("norm", t.norm, "post"),
         ("norm_type", t.norm_type, "layernorm"),
         ("positions", t.positions, "sinusoidal"),

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from seq2seq.model.cache import LayerCache
+from seq2seq.model.long_attention import LongAttention
 from seq2seq.model.packed import plain_linear
 from seq2seq.model.plan import CPU_KERNEL
 from seq2seq.model.positions import RelativePositions, RotaryPositions
@@ -137,6 +138,7 @@ class MultiHeadAttention(nn.Module):
         positions: str = "",
         max_positions: int = 0,
         max_relative_distance: int = 0,
+        long: LongAttention | None = None,
     ) -> None:
         super().__init__()
         self.n_heads = n_heads
@@ -147,6 +149,7 @@ class MultiHeadAttention(nn.Module):
         head_dim = d_model // n_heads
         self.rotary = RotaryPositions(head_dim, max_positions) if positions == "rope" else None
         self.relative = RelativePositions(head_dim, max_relative_distance) if positions == "relative" else None
+        self.long = long  # the encoder's `attention: local_global` or `linformer` (seq2seq.model.long_attention)
 
     def self_attention(
         self,
@@ -169,7 +172,10 @@ class MultiHeadAttention(nn.Module):
         if cache is not None:
             k, v = cache.append(k, v)  # (N, H, start + T, Dh): the cached keys/values and this step's
         dropout = self.dropout if self.training else 0.0
-        if self.relative is not None:  # Shaw et al.'s attention, spelled out
+        if self.long is not None:  # an encoder's: mask (B, 1, 1, S), no cache
+            assert mask is not None and not mask.is_floating_point() and cache is None
+            heads = self.long(q, k, v, mask[:, 0, 0, :], dropout, self.relative)
+        elif self.relative is not None:  # Shaw et al.'s attention, spelled out
             heads = self.relative.attend(q, k, v, start, mask, causal, dropout)
         else:
             heads = attention_heads(q, k, v, mask, causal, dropout, cache)

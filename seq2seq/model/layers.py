@@ -19,6 +19,7 @@ from seq2seq.config import TransformerConfig
 from seq2seq.model.attention import MultiHeadAttention, Packing
 from seq2seq.model.cache import LayerCache
 from seq2seq.model.dropout import Dropout, add_dropout
+from seq2seq.model.long_attention import long_attention
 
 
 @dataclass(frozen=True)
@@ -32,9 +33,13 @@ class LayerOptions:
     def norm(self, d_model: int) -> nn.Module:
         return nn.RMSNorm(d_model, eps=1e-5) if self.settings.norm_type == "rmsnorm" else nn.LayerNorm(d_model)
 
-    def self_attention(self, d_model: int, n_heads: int, dropout: float) -> MultiHeadAttention:
+    def self_attention(self, d_model: int, n_heads: int, dropout: float, encoder: bool = False) -> MultiHeadAttention:
+        """A layer's self-attention; an encoder's is `attention: local_global` or `linformer` when configured."""
         s = self.settings
-        return MultiHeadAttention(d_model, n_heads, dropout, s.positions, self.max_positions, s.max_relative_distance)
+        long = long_attention(s, self.max_positions) if encoder else None
+        return MultiHeadAttention(
+            d_model, n_heads, dropout, s.positions, self.max_positions, s.max_relative_distance, long
+        )
 
 
 class FeedForward(nn.Module):
@@ -90,7 +95,7 @@ class EncoderLayer(nn.Module):
         options: LayerOptions = LayerOptions(),
     ) -> None:
         super().__init__()
-        self.self_attn = options.self_attention(d_model, n_heads, attention_dropout)
+        self.self_attn = options.self_attention(d_model, n_heads, attention_dropout, encoder=True)
         self.ffn = FeedForward(d_model, d_ff, activation_dropout, activation)
         self.attn_block = Residual(d_model, dropout, norm_first, options.norm(d_model))
         self.ffn_block = Residual(d_model, dropout, norm_first, options.norm(d_model))
