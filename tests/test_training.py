@@ -20,7 +20,7 @@ from conftest import ROOT, TINY, tiny_overrides, write_corpus
 
 from seq2seq import device as device_module
 from seq2seq.cli import main
-from seq2seq.config import ExperimentConfig, load_config
+from seq2seq.config import ExperimentConfig, OptimConfig, load_config
 from seq2seq.device import resolve_precision
 from seq2seq.errors import TrainingError
 from seq2seq.runs import checkpoint as ckpt
@@ -29,7 +29,6 @@ from seq2seq.text.corpus import Batch, collate_pairs
 from seq2seq.training import update as update_module
 from seq2seq.training.assembly import TrainingRun, assemble
 from seq2seq.training.monitor import read_metrics
-from seq2seq.config import OptimConfig
 from seq2seq.training.optim import Schedule, lr_at, projected_updates
 from seq2seq.training.trainer import Trainer, train
 
