@@ -748,6 +748,11 @@ class ExperimentConfig(Section):
     def check_source_loss(self, d: DecoderOnlyConfig) -> None:
         """The source part's loss rides on the plain training forward pass: not on a compiled or an R-Drop one."""
         if d.source_loss > 0:
+            d.require(
+                d.prefix == "causal",
+                "source_loss",
+                f"needs {d.key('prefix')}: causal (a prefix LM's source sees the token it would predict)",
+            )
             d.require(self.train.compile == "off", "source_loss", "needs train.compile: off")
             d.require(self.optim.rdrop_alpha == 0, "source_loss", "cannot be combined with optim.rdrop_alpha")
 

@@ -204,7 +204,8 @@ class DecoderOnlyTransformer(nn.Module):
     ) -> Tensor:
         """Teacher-forced target logits (B, T, V) for target inputs (B, T) given sources (B, S), or (N, V) at
         the `select`ed (B, T) positions. `with_source` (needs `select`): then the source part's logits follow,
-        (N + M, V), one for each source token after the first, in `source_targets` order."""
+        (N + M, V), one for each source token after its row's first, in the order of
+        `seq2seq.training.loss.source_part_loss`."""
         aligned = Aligned(src, src_pad_mask)
         S = src.shape[1]
         h, _ = self.run(torch.cat([aligned.src, tgt_in], dim=1), 0, aligned.offsets, aligned.pad)  # (B, S + T, D)
@@ -278,11 +279,6 @@ class DecoderOnlyTransformer(nn.Module):
     def attention_layers(self) -> list[int]:
         """The layers whose attention over the source a session records: all of them."""
         return [len(self.layers)]
-
-
-def source_targets(src: Tensor, src_pad_mask: Tensor) -> Tensor:
-    """The source tokens after the first of each row (M,): what `forward(..., with_source=True)` predicts."""
-    return src[:, 1:][~src_pad_mask[:, 1:]]
 
 
 def build_decoder_only(cfg: ModelConfig, src_vocab_size: int, tgt_vocab_size: int) -> DecoderOnlyTransformer:
