@@ -738,12 +738,15 @@ class ExperimentConfig(Section):
             f"needs {data.key('shared_vocab')}: true (one vocabulary for both languages)",
         )
         positions = f"{model.key('max_positions')} ({model.max_positions})"
-        longest = model.max_positions
-        if model.decoder_only is not None:  # source and target share one sequence: half each
-            positions, longest = f"half of {positions}, as model.arch: decoder_only", model.max_positions // 2
+        if model.decoder_only is not None:  # source and target share one sequence: half each (search caps its half)
+            half = f"half of {positions}, as model.arch: decoder_only"
+            data.require(data.max_len < model.max_positions // 2, "max_len", f"({data.max_len}) must be below {half}")
             self.check_source_loss(model.decoder_only)
-        data.require(data.max_len < longest, "max_len", f"({data.max_len}) must be below {positions}")
-        decode.require(decode.max_len < longest, "max_len", f"({decode.max_len}) must be below {positions}")
+        else:
+            data.require(data.max_len < model.max_positions, "max_len", f"({data.max_len}) must be below {positions}")
+            decode.require(
+                decode.max_len < model.max_positions, "max_len", f"({decode.max_len}) must be below {positions}"
+            )
 
     def check_source_loss(self, d: DecoderOnlyConfig) -> None:
         """The source part's loss rides on the plain training forward pass: not on a compiled or an R-Drop one."""
@@ -902,9 +905,13 @@ def _architecture_sections(model: dict[str, Any], source: str) -> dict[str, Any]
         if section not in ARCH_SECTIONS[arch] and section in model:
             keys = model[section]
             key = f"model.{section}.{next(iter(keys))}" if isinstance(keys, dict) and keys else f"model.{section}"
+            switch = " ".join(
+                [f"model.arch={section}"]
+                + [f"model.{s}=null" for s in ARCH_SECTIONS[arch] if s not in ARCH_SECTIONS[section]]
+            )
             raise ConfigError(
                 f"{source}: {key} does not apply to model.arch: {arch} (it is a setting of model.arch: {section}; "
-                f"drop it with model.{section}=null, or switch with model.arch={section} model.{arch}=null)"
+                f"drop it with model.{section}=null, or switch with {switch})"
             )
     return model
 
