@@ -500,7 +500,25 @@ class RNNConfig(Section):
         )
 
 
-ARCHITECTURES = ("transformer", "rnn")  # model.arch, and the name of the section of its own settings
+@dataclass(frozen=True)
+class DecoderOnlyConfig(Section):
+    """The decoder-only translator's own settings (model.arch: decoder_only; see seq2seq/model/decoder_only.py):
+    one causal stack over `source target`, whose layers are model.transformer's: as many as the encoder's and
+    the decoder's together (`encoder_layers` + `decoder_layers`), each like an encoder layer."""
+
+    prefix: Literal["bidirectional", "causal"] = setting(
+        "bidirectional",
+        "`bidirectional`: a prefix LM, the source attends to all of itself and the target causally to everything "
+        "before it; `causal`: a plain language model over the whole sequence",
+    )
+    source_loss: float = setting(
+        0.0, "weight of the loss on predicting the source tokens (0: the target part only)", min=0
+    )
+
+
+ARCHITECTURES = ("transformer", "rnn", "decoder_only")  # model.arch, and the name of the section of its own settings
+ARCH_SECTIONS = {"transformer": ("transformer",), "rnn": ("rnn",), "decoder_only": ("transformer", "decoder_only")}
+"""The sections each architecture reads: the decoder-only stack's layers are the Transformer's."""
 
 
 @dataclass(frozen=True)
@@ -511,10 +529,10 @@ class ModelConfig(Section):
     that sets it is refused): a setting the model would ignore is a mistake.
     """
 
-    arch: Literal["transformer", "rnn"] = setting(
+    arch: Literal["transformer", "rnn", "decoder_only"] = setting(
         "transformer",
         "the architecture (see Architectures); only its own section, `model.transformer.*` or `model.rnn.*`, "
-        "may be set",
+        "may be set (`decoder_only`: `model.decoder_only.*` and `model.transformer.*`)",
     )
     d_model: int = setting(256, "embedding width (and the Transformer's)", min=1, limit=MAX_WIDTH)
     dropout: float = setting(0.1, "residual and embedding dropout (the RNN's between layers too)", min=0, below=1)
@@ -523,13 +541,30 @@ class ModelConfig(Section):
     share_all_embeddings: bool = setting(True, "source embedding tied too (needs `data.shared_vocab`)")
     transformer: TransformerConfig | None = None  # model.arch: transformer; None: the defaults
     rnn: RNNConfig | None = None  # model.arch: rnn; None: the defaults
+    decoder_only: DecoderOnlyConfig | None = None  # model.arch: decoder_only (with model.transformer)
 
     def check(self) -> None:
-        other = "rnn" if self.arch == "transformer" else "transformer"
-        self.require(getattr(self, other) is None, other, f"does not apply to {self.key('arch')}: {self.arch}")
-        if getattr(self, self.arch) is None:  # frozen: the chosen section's defaults are filled in once, here
-            object.__setattr__(self, self.arch, TransformerConfig() if self.arch == "transformer" else RNNConfig())
+        sections = ARCH_SECTIONS[self.arch]
+        for other in ARCHITECTURES:
+            if other not in sections:
+                self.require(getattr(self, other) is None, other, f"does not apply to {self.key('arch')}: {self.arch}")
+        defaults = {"transformer": TransformerConfig, "rnn": RNNConfig, "decoder_only": DecoderOnlyConfig}
+        for section in sections:  # frozen: the chosen sections' defaults are filled in once, here
+            if getattr(self, section) is None:
+                object.__setattr__(self, section, defaults[section]())
         t = self.transformer
+        if self.decoder_only is not None:
+            self.require(
+                self.share_all_embeddings,
+                "share_all_embeddings",
+                "must be true for model.arch: decoder_only (one sequence, one embedding: needs data.shared_vocab)",
+            )
+        if self.decoder_only is not None and t is not None:
+            t.require(
+                t.attention == "full",
+                "attention",
+                f"{t.attention} is the encoder's self-attention; model.arch: decoder_only has no encoder (full only)",
+            )
         if t is not None:  # the heads split d_model evenly, and rotary positions rotate pairs of a head's dimensions
             self.require(
                 self.d_model % t.n_heads == 0,
@@ -764,8 +799,26 @@ class ExperimentConfig(Section):
             f"needs {data.key('shared_vocab')}: true (one vocabulary for both languages)",
         )
         positions = f"{model.key('max_positions')} ({model.max_positions})"
-        data.require(data.max_len < model.max_positions, "max_len", f"({data.max_len}) must be below {positions}")
-        decode.require(decode.max_len < model.max_positions, "max_len", f"({decode.max_len}) must be below {positions}")
+        if model.decoder_only is not None:  # source and target share one sequence: half each (search caps its half)
+            half = f"half of {positions}, as model.arch: decoder_only"
+            data.require(data.max_len < model.max_positions // 2, "max_len", f"({data.max_len}) must be below {half}")
+            self.check_source_loss(model.decoder_only)
+        else:
+            data.require(data.max_len < model.max_positions, "max_len", f"({data.max_len}) must be below {positions}")
+            decode.require(
+                decode.max_len < model.max_positions, "max_len", f"({decode.max_len}) must be below {positions}"
+            )
+
+    def check_source_loss(self, d: DecoderOnlyConfig) -> None:
+        """The source part's loss rides on the plain training forward pass: not on a compiled or an R-Drop one."""
+        if d.source_loss > 0:
+            d.require(
+                d.prefix == "causal",
+                "source_loss",
+                f"needs {d.key('prefix')}: causal (a prefix LM's source sees the token it would predict)",
+            )
+            d.require(self.train.compile == "off", "source_loss", "needs train.compile: off")
+            d.require(self.optim.rdrop_alpha == 0, "source_loss", "cannot be combined with optim.rdrop_alpha")
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
@@ -896,8 +949,9 @@ def migrate_model(model: dict[str, Any], source: str) -> dict[str, Any]:
         )
     out = {key: value for key, value in model.items() if key not in flat}
     out["transformer"] = {key: model[key] for key in flat}
-    ignored = "transformer" if model.get("arch") == "rnn" else "rnn"
-    out.pop(ignored, None)
+    for ignored in ARCHITECTURES:
+        if ignored not in ARCH_SECTIONS.get(model.get("arch", "transformer"), ("transformer",)):
+            out.pop(ignored, None)
     return out
 
 
@@ -909,12 +963,16 @@ def _architecture_sections(model: dict[str, Any], source: str) -> dict[str, Any]
     if arch not in ARCHITECTURES:
         return model  # _build names the valid choices
     for section in ARCHITECTURES:
-        if section != arch and section in model:
+        if section not in ARCH_SECTIONS[arch] and section in model:
             keys = model[section]
             key = f"model.{section}.{next(iter(keys))}" if isinstance(keys, dict) and keys else f"model.{section}"
+            switch = " ".join(
+                [f"model.arch={section}"]
+                + [f"model.{s}=null" for s in ARCH_SECTIONS[arch] if s not in ARCH_SECTIONS[section]]
+            )
             raise ConfigError(
                 f"{source}: {key} does not apply to model.arch: {arch} (it is a setting of model.arch: {section}; "
-                f"drop it with model.{section}=null, or switch with model.arch={section} model.{arch}=null)"
+                f"drop it with model.{section}=null, or switch with {switch})"
             )
     return model
 

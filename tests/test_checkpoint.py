@@ -73,6 +73,14 @@ ARCHITECTURES = {
         "model.rnn.bidirectional=false",
         "model.share_all_embeddings=false",
     ],
+    "decoder_only-prefix": ["model.arch=decoder_only", "model.max_positions=256"],
+    "decoder_only-causal-rope": [
+        "model.arch=decoder_only",
+        "model.decoder_only.prefix=causal",
+        "model.decoder_only.source_loss=0.5",
+        "model.transformer.positions=rope",
+        "model.max_positions=256",
+    ],
     "rnn-gru-none-context": [
         "model.arch=rnn",
         "model.transformer=null",

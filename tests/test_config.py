@@ -471,7 +471,7 @@ def test_rdrop_counts_only_the_chosen_architectures_dropout() -> None:
 def test_absurd_sizes_are_refused_with_their_limit(override: str) -> None:
     """Sizes that fit in int64 but no memory: refused at load time, naming the key and the allowed range."""
     key = override.split("=")[0]
-    arch = ["model.arch=rnn"] if key.startswith("model.rnn.") else []
+    arch = [f"model.arch={key.split('.')[1]}"] if key.startswith(("model.rnn.", "model.decoder_only.")) else []
     assert f"{key} must be at most " in config_error(None, *arch, override)
 
 
@@ -550,7 +550,7 @@ BOUND_CASES = [case for s in settings() for case in out_of_bounds(s)]
 def test_every_bound_of_the_schema_is_checked_naming_the_key(override: str, needle: str) -> None:
     """Each bound declared with a setting refuses the value just past it, in one line naming the key."""
     key = override.split("=")[0]
-    arch = ["model.arch=rnn"] if key.startswith("model.rnn.") else []
+    arch = [f"model.arch={key.split('.')[1]}"] if key.startswith(("model.rnn.", "model.decoder_only.")) else []
     assert f"{key} {needle}; got " in config_error(None, *arch, override)
 
 

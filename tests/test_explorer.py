@@ -16,7 +16,7 @@ import torch
 from conftest import model_config
 
 from seq2seq.cli import main
-from seq2seq.config import RNNConfig
+from seq2seq.config import DecoderOnlyConfig, RNNConfig
 from seq2seq.decoding.ensemble import Ensemble
 from seq2seq.decoding.translate import Translator
 from seq2seq.errors import UsageError
@@ -119,6 +119,12 @@ UNTRAINED = {
         f"rnn-{score}": {"arch": "rnn", "rnn": RNNConfig(attention=score, hidden_size=16, layers=1)}
         for score in ("dot", "general", "mlp")
     },
+    "decoder_only-prefix": {"arch": "decoder_only"},
+    "decoder_only-causal-rope": {
+        "arch": "decoder_only",
+        "decoder_only": DecoderOnlyConfig(prefix="causal"),
+        "positions": "rope",
+    },
 }
 
 
@@ -140,6 +146,8 @@ def test_every_architecture_with_attention_answers_with_it(checkpoint: Path, arc
     assert status == 200, body
     [best] = body["translations"][0]["attention"]
     layers, heads = (1, 1) if arch.startswith("rnn") else (3 if "rope" in arch else 2, 2)
+    if arch.startswith("decoder_only"):  # one stack of encoder_layers + decoder_layers, all attending to the source
+        layers = 4
     weights = torch.tensor(best["weights"])
     assert weights.shape == (layers, heads, len(best["target"]), 4)  # ▁red ▁cat ▁dog </s>
     assert torch.allclose(weights.sum(dim=-1), torch.ones(weights.shape[:-1]), atol=1e-3)

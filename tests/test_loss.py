@@ -63,6 +63,7 @@ def _batch() -> Batch:
 ARCHITECTURES = {
     "transformer": {"n_heads": 4, "d_ff": 64, "encoder_layers": 2, "decoder_layers": 2},
     "rnn-gru-context": {"arch": "rnn", "rnn": RNNConfig("gru", 2, 16, True, "none", context_every_step=True)},
+    "decoder_only": {"arch": "decoder_only", "n_heads": 4, "d_ff": 64, "encoder_layers": 1, "decoder_layers": 1},
 }
 
 

@@ -18,7 +18,7 @@ from conftest import model_config
 from torch import Tensor
 from torch.nn.attention import SDPBackend
 
-from seq2seq.config import RNNConfig
+from seq2seq.config import DecoderOnlyConfig, RNNConfig
 from seq2seq.model import MultiHeadAttention, Seq2SeqModel, build_model, kernel_scope, training_kernel
 from seq2seq.model.packed import onednn_available
 from seq2seq.model.plan import CPU_KERNEL
@@ -80,6 +80,30 @@ RNN_VARIANTS: dict[str, dict[str, Any]] = {
     "rnn-gru-general": {"cell": "gru", "attention": "general", "layers": 1},
     "rnn-lstm-mlp-untied": {"cell": "lstm", "attention": "mlp", "share_all": False},
 }
+# The decoder-only translator (seq2seq.model.decoder_only): a prefix LM and a plain causal LM, with positions
+# added to the embeddings (at each row's own offsets) and inside attention; 2 + 2 layers make one stack of 4.
+DECODER_ONLY_VARIANTS: dict[str, dict[str, Any]] = {
+    "decoder_only-prefix": {"arch": "decoder_only"},
+    "decoder_only-causal-learned": {
+        "arch": "decoder_only",
+        "decoder_only": DecoderOnlyConfig(prefix="causal"),
+        "positions": "learned",
+    },
+    "decoder_only-prefix-rope-post": {"arch": "decoder_only", "positions": "rope", "norm": "post"},
+    "decoder_only-causal-relative": {
+        "arch": "decoder_only",
+        "decoder_only": DecoderOnlyConfig(prefix="causal"),
+        "positions": "relative",
+        "max_relative_distance": 3,
+    },
+    "decoder_only-prefix-t5_bias": {
+        "arch": "decoder_only",
+        "positions": "t5_bias",
+        "t5_buckets": 8,
+        "t5_max_distance": 6,
+    },
+}
+DECODER_ONLY = list(DECODER_ONLY_VARIANTS)
 # PyTorch's two CPU attention kernels: flash (its own choice without attention dropout) and math (CPU training's)
 KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}
 
@@ -110,12 +134,14 @@ def rnn_overrides(
 
 def variant(name: str) -> dict[str, Any]:
     """The ModelConfig overrides of a named variant, Transformer or RNN."""
+    if name in DECODER_ONLY_VARIANTS:
+        return DECODER_ONLY_VARIANTS[name]
     return VARIANTS[name] if name in VARIANTS else rnn_overrides(**RNN_VARIANTS[name])
 
 
 ALL_VARIANTS = [*VARIANTS, *RNN_VARIANTS]
 # The RNNs do not use PyTorch's attention kernels: one kernel is enough for them.
-WITH_KERNELS = [(v, k) for v in VARIANTS for k in KERNELS] + [(v, "flash") for v in RNN_VARIANTS]
+WITH_KERNELS = [(v, k) for v in [*VARIANTS, *DECODER_ONLY] for k in KERNELS] + [(v, "flash") for v in RNN_VARIANTS]
 
 
 def tiny_model(seed: int = 0, **overrides: Any) -> Seq2SeqModel:
@@ -194,7 +220,8 @@ def test_source_padding_does_not_change_real_positions(name: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["pre", "relative", "none", "t5_bias", "rnn-lstm-none-unidirectional", "rnn-lstm-mlp-untied"]
+    "name",
+    ["pre", "relative", "none", "t5_bias", "rnn-lstm-none-unidirectional", "rnn-lstm-mlp-untied", *DECODER_ONLY],
 )
 @torch.no_grad()
 def test_padded_source_content_is_ignored(name: str) -> None:
@@ -208,7 +235,7 @@ def test_padded_source_content_is_ignored(name: str) -> None:
     assert not torch.allclose(unmasked, model(src, mask, tgt), atol=1e-3)  # without the mask they would matter
 
 
-@pytest.mark.parametrize("name", ["pre", "rnn-gru-none", "rnn-lstm-dot"])
+@pytest.mark.parametrize("name", ["pre", "rnn-gru-none", "rnn-lstm-dot", "decoder_only-prefix"])
 @torch.no_grad()
 def test_projecting_selected_positions_equals_slicing_all_logits(name: str) -> None:
     """Training projects only real target tokens to the vocabulary; it must be the same numbers."""
@@ -269,7 +296,7 @@ def test_cached_decoding_equals_forward(name: str, kernel: str, device: torch.de
         torch.testing.assert_close(decode_incrementally(model, src, mask, tgt), model(src, mask, tgt), **CLOSE)
 
 
-@pytest.mark.parametrize("name", ["pre", "post", "relative", "rope", "none", "t5_bias", *RNN_VARIANTS])
+@pytest.mark.parametrize("name", ["pre", "post", "relative", "rope", "none", "t5_bias", *RNN_VARIANTS, *DECODER_ONLY])
 @torch.no_grad()
 def test_cache_reorder_and_select_follow_the_rows(name: str, device: torch.device) -> None:
     """Beam search reorders hypotheses mid-sentence; the cache must then behave as if they had always been there."""
@@ -609,7 +636,7 @@ def test_norm_type_picks_every_norm(norm_type: str, kind: type, norm: str) -> No
 # Batch invariance and the RNN's own pieces.
 
 
-@pytest.mark.parametrize("name", ["rope", "relative", "rmsnorm-pre", "none", "t5_bias", *RNN_VARIANTS])
+@pytest.mark.parametrize("name", ["rope", "relative", "rmsnorm-pre", "none", "t5_bias", *RNN_VARIANTS, *DECODER_ONLY])
 @torch.no_grad()
 def test_a_sentence_gets_the_same_logits_alone_and_in_a_batch(name: str, device: torch.device) -> None:
     model = tiny_model(**variant(name)).to(device)
@@ -658,7 +685,7 @@ def test_without_attention_only_the_final_state_reaches_the_decoder(context_ever
     torch.testing.assert_close(model.decoder(tgt, cache), model(src, mask, tgt), **CLOSE)
 
 
-@pytest.mark.parametrize("name", ["relative", "rope", "rmsnorm-pre", "none", "t5_bias", *RNN_VARIANTS])
+@pytest.mark.parametrize("name", ["relative", "rope", "rmsnorm-pre", "none", "t5_bias", *RNN_VARIANTS, *DECODER_ONLY])
 def test_bf16_autocast_trains_and_stays_close_to_fp32(name: str) -> None:
     """precision=auto picks bf16 on CPUs with native bf16: every variant must run (and backpropagate) under it."""
     model = tiny_model(**variant(name))

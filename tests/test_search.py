@@ -443,6 +443,9 @@ ARCHITECTURES = [
     "rnn-gru-none-context-unidirectional",
     "rnn-gru-general",
     "rnn-lstm-mlp-untied",
+    "decoder_only-prefix",
+    "decoder_only-causal-learned",
+    "decoder_only-prefix-t5_bias",
 ]
 
 

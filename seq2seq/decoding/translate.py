@@ -27,7 +27,7 @@ from seq2seq.decoding.alignment import AttentionMap, LayerChoice, model_attentio
 from seq2seq.decoding.ensemble import Ensemble
 from seq2seq.decoding.search import Hypothesis, search
 from seq2seq.errors import ConfigError, DataError
-from seq2seq.model import Seq2SeqModel, Seq2SeqTransformer
+from seq2seq.model import Seq2SeqModel, Seq2SeqRNN
 from seq2seq.model.session import Decodable
 from seq2seq.runs.checkpoint import load_checkpoint
 from seq2seq.text.corpus import make_batches, pad
@@ -222,7 +222,7 @@ def quantized(model: Seq2SeqModel | Ensemble, quantize: str) -> Seq2SeqModel | E
 
 
 def _quantized(model: Seq2SeqModel, quantize: str) -> Seq2SeqModel:
-    if not isinstance(model, Seq2SeqTransformer):
+    if isinstance(model, Seq2SeqRNN):
         raise ConfigError(f"decode.quantize={quantize} quantizes a Transformer, not an RNN: use decode.quantize=none")
     return model.quantized(quantize)
 

@@ -97,8 +97,20 @@ def _write(ctranslate2: Any, spec: Any, stored: Checkpoint, out: Path, quantizat
 
 def _check_exportable(stored: Checkpoint) -> None:
     """CTranslate2's Transformer spec takes every Transformer variant with full attention; it has no recurrent
-    model."""
-    arch = stored.config.model.arch
+    model, and a decoder-only model would be its TransformerDecoderModelSpec, which attends causally only (no
+    prefix LM) and runs as a ctranslate2.Generator, which the exported model's translator
+    (seq2seq.deploy.exported) is not."""
+    arch, decoder_only = stored.config.model.arch, stored.config.model.decoder_only
+    if decoder_only is not None and decoder_only.prefix == "bidirectional":
+        raise ExportError(
+            "model.arch=decoder_only with model.decoder_only.prefix: bidirectional does not export to CTranslate2: "
+            "its decoder-only specification attends causally only, and a prefix LM's source attends both ways"
+        )
+    if decoder_only is not None:
+        raise ExportError(
+            "model.arch=decoder_only does not export to CTranslate2: its decoder-only specification runs as a "
+            "ctranslate2.Generator, which the exported translator does not drive (decode it with PyTorch)"
+        )
     if arch != "transformer":
         raise ExportError(
             f"model.arch={arch} does not export to CTranslate2: it has no specification for recurrent models "

@@ -1,8 +1,10 @@
-"""The encoder-decoders: the Transformer (read transformer.py top to bottom) and the RNNs (rnn.py)."""
+"""The encoder-decoders: the Transformer (read transformer.py top to bottom) and the RNNs (rnn.py); and the
+decoder-only translator (decoder_only.py)."""
 
 from seq2seq.model.attention import Kernels, MultiHeadAttention, kernel_scope, training_kernel
 from seq2seq.model.build import Seq2SeqModel, build_model
 from seq2seq.model.cache import DecoderCache, LayerCache
+from seq2seq.model.decoder_only import DecoderOnlySession, DecoderOnlyTransformer
 from seq2seq.model.layers import DecoderLayer, EncoderLayer, FeedForward
 from seq2seq.model.record import AttentionRecord
 from seq2seq.model.rnn import RNNCache, RNNSession, Seq2SeqRNN
@@ -13,6 +15,8 @@ __all__ = [
     "AttentionRecord",
     "Decodable",
     "DecoderCache",
+    "DecoderOnlySession",
+    "DecoderOnlyTransformer",
     "DecoderLayer",
     "DecodingSession",
     "EncoderLayer",

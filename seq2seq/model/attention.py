@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from seq2seq.model.cache import LayerCache
+from seq2seq.model.cache import LayerCache, SelfAttentionCache
 from seq2seq.model.long_attention import LongAttention
 from seq2seq.model.packed import plain_linear
 from seq2seq.model.plan import CPU_KERNEL
@@ -157,7 +157,7 @@ class MultiHeadAttention(nn.Module):
         mask: Tensor | None = None,
         causal: bool = False,
         packing: Packing | None = None,
-        cache: LayerCache | None = None,
+        cache: SelfAttentionCache | None = None,
     ) -> Tensor:
         """Self-attention of x (B, L, D) at positions 0..L-1 -> (B, L, D).
 
@@ -222,7 +222,7 @@ class MultiHeadAttention(nn.Module):
         return x.view(B, L, self.n_heads, -1).transpose(1, 2)  # (B, H, L, Dh)
 
     def project_self(
-        self, x: Tensor, packing: Packing | None = None, cache: LayerCache | None = None
+        self, x: Tensor, packing: Packing | None = None, cache: SelfAttentionCache | None = None
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Queries, keys and values of `x` (B, L, D), or of its real positions (n, D), each (B, H, L, Dh)."""
         qkv = (self.in_proj if cache is None else cache.plan.linear(self.in_proj))(x)
@@ -242,7 +242,9 @@ class MultiHeadAttention(nn.Module):
         k, v = F.linear(memory, *self.memory_weights()).chunk(2, dim=-1)
         return self.split_heads(k), self.split_heads(v)
 
-    def merge_heads(self, out: Tensor, packing: Packing | None = None, cache: LayerCache | None = None) -> Tensor:
+    def merge_heads(
+        self, out: Tensor, packing: Packing | None = None, cache: SelfAttentionCache | None = None
+    ) -> Tensor:
         """(B, H, T, Dh) -> W_O applied to the concatenated heads, (B, T, D), or (n, D) at the packed positions;
         in a decoding step, W_O as the session's plan runs it."""
         heads = concat_heads(out)
@@ -264,7 +266,7 @@ def attention_heads(
     mask: Tensor | None,
     causal: bool,
     dropout: float,
-    cache: LayerCache | None = None,
+    cache: SelfAttentionCache | None = None,
     bias: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor:
     """softmax(Q K^T / sqrt(Dh)) V per head, (B, H, Lq, Dh): PyTorch's fused kernel (with attention dropout,

@@ -14,11 +14,24 @@ data.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import Tensor, nn
 
 from seq2seq.model.packed import Linear
 from seq2seq.model.plan import StepPlan
+
+
+class SelfAttentionCache(Protocol):
+    """What a self-attention decoding step reads and extends: a `LayerCache`, or a decoder-only model's
+    (seq2seq.model.decoder_only.PrefixLayerCache)."""
+
+    @property
+    def plan(self) -> StepPlan: ...
+    @property
+    def length(self) -> int: ...
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
 
 
 class LayerCache:

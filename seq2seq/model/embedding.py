@@ -48,16 +48,18 @@ class Embedding(nn.Module):
         self.register_buffer("table", table, persistent=False)
         self.dropout = Dropout(dropout)
 
-    def forward(self, ids: Tensor, start: int = 0) -> Tensor:
-        """ids: (B, L) at positions start .. start+L-1 -> (B, L, D)."""
+    def forward(self, ids: Tensor, start: int = 0, positions: Tensor | None = None) -> Tensor:
+        """ids: (B, L) at positions start .. start+L-1 -> (B, L, D); or at each row's own `positions` (B, L),
+        none beyond start+L-1 (a decoder-only model's right-aligned sources, seq2seq.model.decoder_only)."""
         length = ids.shape[1]
         if start + length > self.max_positions:
             raise ValueError(f"sequence of {start + length} positions exceeds model.max_positions={self.max_positions}")
         x = self.tokens(ids) * self.scale
+        where = slice(start, start + length) if positions is None else positions
         if self.positions is not None:
-            x = x + self.positions.weight[start : start + length]
+            x = x + self.positions.weight[where]
         elif self.table is not None:
-            x = x + self.table[start : start + length]
+            x = x + self.table[where]
         return self.dropout(x)
 
 

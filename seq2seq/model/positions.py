@@ -85,9 +85,12 @@ class RelativePositions(nn.Module):
         self, q: Tensor, k: Tensor, v: Tensor, start: int, mask: Tensor | None, causal: bool, dropout: float
     ) -> Tensor:
         """z_i for queries at start.. over keys at 0.., before W_O: (B, H, Lq, Dh). mask: (B, 1, 1, Lk) True where
-        allowed, or None; `causal` hides later keys; `dropout`: on the weights (0 outside training)."""
+        allowed, an additive one (B, 1 or H, Lq, Lk) with -inf where not, or None; `causal` hides later keys;
+        `dropout`: on the weights (0 outside training)."""
         scores = self.scores(q, k, start)  # (B, H, Lq, Lk)
-        if mask is not None:
+        if mask is not None and mask.is_floating_point():
+            scores = scores + mask.to(scores.dtype)
+        elif mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         if causal:
             i = torch.arange(start, start + q.shape[2], device=q.device)[:, None]

@@ -124,7 +124,7 @@ def assemble(cfg: ExperimentConfig, tokenizer: Tokenizer | None = None) -> Train
             cfg.decode,
             tokenizer,
             model,
-            max_positions=cfg.model.max_positions,
+            max_positions=model.max_positions,  # a decoder-only model's: half, for each part
             max_tokens=t.max_tokens,
             label_smoothing=cfg.optim.label_smoothing,
             with_bleu=cfg.validation.bleu,
@@ -133,7 +133,9 @@ def assemble(cfg: ExperimentConfig, tokenizer: Tokenizer | None = None) -> Train
         )
         progress = restore(resume, model, optimizer, scaler, run, changes) if resume else Progress()
         ddp = wrap_ddp(model, device)
-        update = UpdateStep.from_config(t, cfg.optim, model, optimizer, scaler, device, precision, ddp)
+        update = UpdateStep.from_config(
+            t, cfg.optim, model, optimizer, scaler, device, precision, ddp, source_loss(cfg)
+        )
         per_epoch = math.ceil(len(epochs.batches(1)) / t.update_freq)
         if main:
             for warning in plan_warnings(t, len(corpus), per_epoch, cfg.optim.warmup_steps):
@@ -160,6 +162,18 @@ def assemble(cfg: ExperimentConfig, tokenizer: Tokenizer | None = None) -> Train
         )
         params = sum(p.numel() for p in model.parameters())
         sinks.write("start", progress.step, progress.epoch, parameters=params)
-        log.info("model: %.2fM parameters; %s, %s, %d process(es)", params / 1e6, device, precision, dist.world_size())
+        log.info(
+            "model: %.2fM parameters (%s); %s, %s, %d process(es)",
+            params / 1e6,
+            cfg.model.arch,
+            device,
+            precision,
+            dist.world_size(),
+        )
         undo.pop_all()
     return parts
+
+
+def source_loss(cfg: ExperimentConfig) -> float:
+    """The weight of the source part's loss: `model.decoder_only.source_loss`, 0 for the encoder-decoders."""
+    return cfg.model.decoder_only.source_loss if cfg.model.decoder_only is not None else 0.0

@@ -98,8 +98,14 @@ def symmetric_kl(logits_p: Tensor, logits_q: Tensor) -> Tensor:
     return _SymmetricKL.apply(logits_p.float().contiguous(), logits_q.float().contiguous())
 
 
-def batch_loss(model: torch.nn.Module, batch: Batch, epsilon: float, rdrop_alpha: float = 0.0) -> tuple[Tensor, Tensor]:
+def batch_loss(
+    model: torch.nn.Module, batch: Batch, epsilon: float, rdrop_alpha: float = 0.0, source_loss: float = 0.0
+) -> tuple[Tensor, Tensor]:
     """Teacher-forced summed (smoothed loss, nll) of a batch, scoring only real target tokens.
+
+    With `source_loss` > 0 (a decoder-only model, `model.decoder_only.source_loss`), the loss adds that weight
+    times the loss of predicting each source token from those before it (`source_part_loss`); the nll stays
+    the target's.
 
     With `rdrop_alpha` > 0 in training, R-Drop (Liang et al., 2021): the batch
     goes through the model twice in one call, under two dropout masks, and
@@ -109,6 +115,8 @@ def batch_loss(model: torch.nn.Module, batch: Batch, epsilon: float, rdrop_alpha
     """
     keep = batch.tgt_out != PAD  # (B, T)
     target = batch.tgt_out[keep]  # (N,)
+    if source_loss > 0 and model.training:
+        return source_part_loss(model, batch, keep, epsilon, source_loss)
     if rdrop_alpha <= 0 or not model.training:
         logits = model(batch.src, batch.src_pad_mask, batch.tgt_in, keep)  # (N, V)
         return label_smoothed_loss(logits, target, epsilon)
@@ -116,3 +124,17 @@ def batch_loss(model: torch.nn.Module, batch: Batch, epsilon: float, rdrop_alpha
     logits = model(*twice).float()  # (2N, V): the first copy's positions, then the second's; fp32 once for both terms
     loss, nll = label_smoothed_loss(logits, torch.cat([target, target]), epsilon)
     return loss / 2 + rdrop_alpha / 4 * symmetric_kl(*logits.chunk(2)), nll / 2
+
+
+def source_part_loss(
+    model: torch.nn.Module, batch: Batch, keep: Tensor, epsilon: float, weight: float
+) -> tuple[Tensor, Tensor]:
+    """The target's (smoothed loss, nll) plus `weight` times the source part's smoothed loss, from one pass
+    of a decoder-only model (seq2seq.model.decoder_only): its logits of the N target tokens, then those of
+    the M source tokens after each row's first."""
+    target = batch.tgt_out[keep]  # (N,)
+    source = batch.src[:, 1:][~batch.src_pad_mask[:, 1:]]  # (M,): `source_targets`, in the model's order
+    logits = model(batch.src, batch.src_pad_mask, batch.tgt_in, keep, True)  # (N + M, V)
+    loss, nll = label_smoothed_loss(logits[: target.shape[0]], target, epsilon)
+    source_part, _ = label_smoothed_loss(logits[target.shape[0] :], source, epsilon)
+    return loss + weight * source_part, nll

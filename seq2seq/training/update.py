@@ -121,6 +121,7 @@ class UpdateStep:
     max_bad_steps: int = 20  # non-finite updates in a row before giving up
     ddp: DistributedDataParallel | None = None  # the model wrapped for data parallelism, if any
     compiled: Compiled | None = None  # the forward pass compiled (train.compile), if it is
+    source_loss: float = 0.0  # model.decoder_only.source_loss: the weight of the source part's loss
     bad_steps: int = dataclasses.field(default=0, init=False)
 
     @classmethod
@@ -134,6 +135,7 @@ class UpdateStep:
         device: torch.device,
         precision: str,
         ddp: DistributedDataParallel | None = None,
+        source_loss: float = 0.0,
     ) -> UpdateStep:
         """The update `train.*` and `optim.*` describe, on the best attention kernel for `device` in `precision`."""
         kernel = training_kernel(device, precision)
@@ -152,6 +154,7 @@ class UpdateStep:
             t.max_bad_steps,
             ddp,
             compiled,
+            source_loss,
         )
 
     def __call__(self, batches: list[Batch], step: int, lr: float) -> UpdateStats | None:
@@ -205,7 +208,9 @@ class UpdateStep:
             last = i == len(batches) - 1
             with contextlib.nullcontext() if self.ddp is None or last else self.ddp.no_sync():
                 with autocast(self.precision, self.device), kernel_scope(self.attention_kernel):
-                    loss, nll = batch_loss(model, batch.to(self.device), self.label_smoothing, self.rdrop_alpha)
+                    loss, nll = batch_loss(
+                        model, batch.to(self.device), self.label_smoothing, self.rdrop_alpha, self.source_loss
+                    )
                 self.scaler.scale(loss * scale).backward()
             loss_sum += loss.detach()
             nll_sum += nll.detach()
