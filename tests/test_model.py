@@ -296,6 +296,25 @@ def test_cached_decoding_equals_forward(name: str, kernel: str, device: torch.de
         torch.testing.assert_close(decode_incrementally(model, src, mask, tgt), model(src, mask, tgt), **CLOSE)
 
 
+@pytest.mark.parametrize(("name", "kernel"), WITH_KERNELS)
+@torch.no_grad()
+def test_a_step_of_several_positions_equals_steps_of_one(name: str, kernel: str, device: torch.device) -> None:
+    """Positions fed to a session together see the cached ones and those before them, never those after: the
+    last one's logits, and every step after, are those of one position at a time."""
+    if device.type == "cuda" and kernel == "flash":
+        pytest.skip("PyTorch's flash kernel on CUDA needs half precision")
+    model = tiny_model(**variant(name)).to(device)
+    src, mask, tgt = on(device, *source_batch(), target_batch(length=9))
+    expected = model(src, mask, tgt)  # (B, T, V)
+    with kernel_scope(KERNELS[kernel]):
+        session = model.start(src, mask)
+        session.step(tgt[:, :1])
+        together = session.step(tgt[:, 1:5])  # positions 1..4 at once
+        after = torch.stack([session.step(tgt[:, t : t + 1]) for t in range(5, tgt.shape[1])], dim=1)
+    torch.testing.assert_close(together, expected[:, 4], **CLOSE)
+    torch.testing.assert_close(after, expected[:, 5:], **CLOSE)
+
+
 @pytest.mark.parametrize("name", ["pre", "post", "relative", "rope", "none", "t5_bias", *RNN_VARIANTS, *DECODER_ONLY])
 @torch.no_grad()
 def test_cache_reorder_and_select_follow_the_rows(name: str, device: torch.device) -> None:

@@ -278,8 +278,18 @@ def attention_heads(
         mask = mask.to(q.dtype)
         bias = head_bias(mask) if bias is None else bias
     if cache is not None:
+        if causal and mask is None and q.shape[2] > 1:  # several new positions: none may see those after it
+            mask = step_causal_mask(q.shape[2], k.shape[2], q)
+            bias = head_bias(mask)
         return step_attention(q, k, v, cache.plan.kernel, mask, bias)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal)
+
+
+def step_causal_mask(queries: int, keys: int, like: Tensor) -> Tensor:
+    """An additive mask (1, 1, queries, keys) for the last `queries` of `keys` positions: each sees itself and
+    every key before it, -inf after it."""
+    later = torch.ones(queries, keys, dtype=torch.bool, device=like.device).triu(keys - queries + 1)
+    return torch.zeros(1, 1, queries, keys, dtype=like.dtype, device=like.device).masked_fill(later, float("-inf"))
 
 
 def head_bias(mask: Tensor) -> Callable[[Tensor], Tensor]:

@@ -257,11 +257,12 @@ class RNNSession:
         self.attention = AttentionRecord() if need_attention else None
 
     def step(self, tokens: Tensor) -> Tensor:
-        """Logits (N, V) for the next position, given the last tokens (N, 1): the decoder over one position."""
+        """Logits (N, V) for the next position, given the tokens (N, T) after those already stepped (T is 1 in
+        search): the decoder over those positions, its state carried in the cache."""
         logits, weights = self.decoder.run(tokens, self.cache)
         if self.attention is not None:
-            self.attention.end_step([w[:, None, None, :] for w in weights])  # one layer, one head, one position
-        return logits[:, 0]  # (N, V)
+            self.attention.end_step([w[:, None, None, :] for w in weights[-1:]])  # the last position's: one layer
+        return logits[:, -1]  # (N, V)
 
     def reorder(self, index: Tensor) -> None:
         self.cache.reorder(index)

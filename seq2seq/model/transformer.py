@@ -251,8 +251,8 @@ class TransformerSession:
         self.attention = AttentionRecord() if need_attention else None
 
     def step(self, tokens: Tensor) -> Tensor:
-        """Logits (N, V) for the next position, given the last tokens (N, 1); the layers are asked for their
-        cross-attention weights only when the session records them."""
+        """Logits (N, V) for the next position, given the tokens (N, T) after those already stepped (T is 1 in
+        search); the layers are asked for their cross-attention weights only when the session records them."""
         logits, weights = self.decoder(tokens, cache=self.cache, need_attention=self.attention is not None)
         if self.attention is not None:
             self.attention.end_step(weights)  # (N, L, H, S)
