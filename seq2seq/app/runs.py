@@ -15,15 +15,17 @@ from seq2seq.errors import UsageError, UserError
 log = logging.getLogger("seq2seq")
 
 
-def train(cfg: ExperimentConfig) -> int:
-    """Train (or resume) a run; the exit code: 0 when it ended by itself, 128 + the signal that stopped it."""
+def train(cfg: ExperimentConfig, pretrain: bool = False) -> int:
+    """Train (or resume) a run, or with `pretrain` a masked-LM pretraining run of the encoder; the exit code:
+    0 when it ended by itself, 128 + the signal that stopped it."""
     from seq2seq.training.assembly import assemble
     from seq2seq.training.distributed import peer_failures
+    from seq2seq.training.pretrain import assemble_pretrain
     from seq2seq.training.trainer import Trainer
 
     try:
         with peer_failures():
-            trainer = Trainer(assemble(cfg))
+            trainer = Trainer(assemble_pretrain(cfg) if pretrain else assemble(cfg))
             trainer.fit()
     except KeyboardInterrupt as e:  # before training started, or a second Ctrl-C
         return interrupt.report(e, "; checkpoint_last.pt (if any) holds the last saved state")
