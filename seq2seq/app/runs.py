@@ -36,7 +36,8 @@ def train(cfg: ExperimentConfig, pretrain: bool = False) -> int:
 
 def prepare_data(cfg: ExperimentConfig, workers: int = 0) -> None:
     """Prepare (or check) the training data, under the run's lock; a run with a checkpoint keeps its tokenizer,
-    a fine-tuning run (`train.init_from`) uses its parent's.
+    a fine-tuning run (`train.init_from`) uses its parent's, one with `train.init_encoder_from` the pretrained
+    encoder's.
 
     workers: encoding processes (0: one per CPU).
     """
@@ -44,6 +45,7 @@ def prepare_data(cfg: ExperimentConfig, workers: int = 0) -> None:
         raise UsageError(f"--workers must be in [0, {MAX_THREADS}], got {workers}")
     from seq2seq.runs.run_dir import RunDirectory
     from seq2seq.text.prepare import ensure_prepared
+    from seq2seq.training.encoder_init import read_pretrained
     from seq2seq.training.finetune import read_parent
     from seq2seq.training.setup import prepared_path
 
@@ -51,8 +53,9 @@ def prepare_data(cfg: ExperimentConfig, workers: int = 0) -> None:
     run.acquire()  # never rebuild the data under a `train` running in this directory
     try:
         resume = run.resume_point()
-        parent = None if resume else read_parent(cfg, run)  # a fine-tuning run encodes with its parent's
-        tokenizer = resume.tokenizer if resume else parent.tokenizer if parent else None
+        # a fine-tuning run encodes with its parent's, a run with train.init_encoder_from with the pretraining run's
+        origin = resume or read_parent(cfg, run) or read_pretrained(cfg, run)
+        tokenizer = origin.tokenizer if origin else None
         ensure_prepared(cfg.data, prepared_path(cfg), tokenizer, workers)
     finally:
         run.release()
