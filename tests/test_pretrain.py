@@ -176,6 +176,24 @@ def test_a_pretraining_run_resumes_exactly(pretrained: Path, corpus: Path, tmp_p
 
 
 @pytest.mark.trains
+@pytest.mark.parametrize(
+    ("command", "message"),
+    [
+        (["pretrain", "pretrain.mask_prob=0.2"], "pretrain.mask_prob is 0.2, but the run was started with 0.15"),
+        (["train"], "checkpoint_last.pt is a masked-LM pretraining checkpoint, not a translation model"),
+    ],
+)
+def test_a_pretraining_run_is_resumed_as_one_with_its_masking(
+    pretrained: Path, corpus: Path, command: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A resume keeps the masking recipe; `train` does not take a pretraining run's directory for its own."""
+    args = pretrain_args(corpus, pretrained, "train.max_steps=13", *command[1:])
+    assert main([command[0], *args[1:]]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+@pytest.mark.trains
 def test_pretrain_text_pretrains_on_other_files(corpus: Path, tmp_path: Path) -> None:
     import gzip
 
@@ -183,7 +201,8 @@ def test_pretrain_text_pretrains_on_other_files(corpus: Path, tmp_path: Path) ->
     with gzip.open(text, "wt", encoding="utf-8") as f:
         f.write("\n".join(["sun moon tree", "", "car house bird fish"] * 40) + "\n")
     run = tmp_path / "run"
-    assert main(pretrain_args(corpus, run, "train.max_steps=2", f"pretrain.text=[{text}]")) == 0
+    weighted = "data.train=[train:2]"  # upsamples the corpus, not the text
+    assert main(pretrain_args(corpus, run, "train.max_epochs=1", weighted, f"pretrain.text=[{text}]")) == 0
     log = (run / "train.log").read_text(encoding="utf-8")
     assert "data: 80 training sentences" in log  # the file's non-empty lines, not the corpus
     assert ckpt.read(run / ckpt.LAST, (ckpt.MASKED_LM,)).tokenizer.src_proto == (run / "spm.model").read_bytes()

@@ -58,12 +58,18 @@ class MaskedLM(nn.Module):
         return self.encoder.embedding.max_positions
 
 
+def require_transformer(cfg: ModelConfig) -> None:
+    """A masked LM is a Transformer encoder: one line for another model.arch."""
+    if cfg.arch != "transformer" or cfg.transformer is None:
+        raise ConfigError(f"model.arch: seq2seq pretrain trains a Transformer encoder, not {cfg.arch}")
+
+
 def build_masked_lm(cfg: ModelConfig, vocab_size: int) -> MaskedLM:
     """The encoder `cfg` describes, over `vocab_size` pieces and the mask token, with its head.
 
     It is built as the translation model's encoder is, with one decoder layer that is dropped at once."""
-    if cfg.arch != "transformer" or cfg.transformer is None:
-        raise ConfigError(f"model.arch: seq2seq pretrain trains a Transformer encoder, not {cfg.arch}")
+    require_transformer(cfg)
+    assert cfg.transformer is not None
     one_layer = dataclasses.replace(cfg, transformer=dataclasses.replace(cfg.transformer, decoder_layers=1))
     encoder = build_transformer(one_layer, vocab_size + 1, vocab_size + 1).encoder
     return MaskedLM(encoder, cfg.d_model, vocab_size)

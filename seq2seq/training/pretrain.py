@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from seq2seq.config import DataConfig, ExperimentConfig, save_config
+from seq2seq.config import DataConfig, ExperimentConfig, TrainConfig, save_config
 from seq2seq.errors import ConfigError
-from seq2seq.model.masked_lm import MaskedLM, build_masked_lm
+from seq2seq.model.masked_lm import MaskedLM, build_masked_lm, require_transformer
 from seq2seq.runs import checkpoint as ckpt
 from seq2seq.runs.checkpoint import Progress
 from seq2seq.runs.run_dir import RunDirectory
@@ -68,7 +68,12 @@ TEXT_LINKS, TEXT_PREPARED = "pretrain_text", "prepared_text"  # in the run direc
 class MaskedEpochs(EpochSource):
     """The batches of `EpochSource`, their sources masked: batch j of epoch e with the seed of (seed, e, j)."""
 
-    masking: Masking  # set after construction: EpochSource's arguments stay as they are
+    def __init__(
+        self, masking: Masking, corpus: PreparedCorpus, d: DataConfig, t: TrainConfig, device: torch.device
+    ) -> None:
+        workers, bounded = data_workers(t.num_workers, device), t.compile != "off"
+        super().__init__(corpus, d, t.max_tokens, t.seed, dist.rank(), dist.world_size(), workers, bounded)
+        self.masking = masking
 
     def batch(self, epoch: int, j: int) -> Batch:
         number = int(self.batches(epoch).ids[j])  # the batch's number in the epoch, whichever rank runs it
@@ -95,14 +100,16 @@ def text_data(d: DataConfig, texts: tuple[str, ...], links: Path) -> DataConfig:
     )
 
 
-def setup_pretrain_data(cfg: ExperimentConfig, run: RunDirectory, given: Tokenizer | None) -> PreparedCorpus:
-    """The prepared training corpus (which trains the tokenizer), then, with `pretrain.text`, those files
-    prepared with that tokenizer."""
+def setup_pretrain_data(
+    cfg: ExperimentConfig, run: RunDirectory, given: Tokenizer | None
+) -> tuple[PreparedCorpus, DataConfig]:
+    """The prepared training corpus (which trains the tokenizer), or with `pretrain.text` those files prepared
+    with that tokenizer; and the data config that describes what is returned."""
     corpus = setup_corpus(cfg.data, prepared_path(cfg), given)
     if not cfg.pretrain.text:
-        return corpus
+        return corpus, cfg.data
     data = text_data(cfg.data, cfg.pretrain.text, run.path / TEXT_LINKS)
-    return setup_corpus(data, run.path / TEXT_PREPARED, corpus.tokenizer)
+    return setup_corpus(data, run.path / TEXT_PREPARED, corpus.tokenizer), data
 
 
 def setup_masked_validator(
@@ -122,7 +129,7 @@ def assemble_pretrain(cfg: ExperimentConfig) -> TrainingRun:
     t, saves = cfg.train, cfg.checkpoint
     for name in ("init_from", "init_encoder_from"):
         t.require(not getattr(t, name), name, "is for `seq2seq train`; a pretraining run starts from random weights")
-    build_masked_lm(cfg.model, 8)  # a model.arch it cannot pretrain: one line before anything is locked
+    require_transformer(cfg.model)  # before anything is locked
     run = RunDirectory(t.run_dir)
     with contextlib.ExitStack() as undo:
         undo.callback(dist.teardown)
@@ -131,14 +138,10 @@ def assemble_pretrain(cfg: ExperimentConfig) -> TrainingRun:
         main = dist.is_main()
         resume, changes, _, _ = setup_run_dir(run, cfg, main, ckpt.MASKED_LM)
         run_id = resume.run_id if resume else run.fresh_run_id(record=main)
-        corpus = setup_pretrain_data(cfg, run, resume.tokenizer if resume else None)
+        corpus, data = setup_pretrain_data(cfg, run, resume.tokenizer if resume else None)
         tokenizer = corpus.tokenizer
         masking = Masking.of(cfg.pretrain, tokenizer)
-        epochs = MaskedEpochs(
-            corpus, cfg.data, t.max_tokens, t.seed, dist.rank(), dist.world_size(),
-            data_workers(t.num_workers, device), t.compile != "off",
-        )  # fmt: skip
-        epochs.masking = masking
+        epochs = MaskedEpochs(masking, corpus, data, t, device)
         log.info("data: %d training sentences", len(corpus))
         torch.manual_seed(t.seed)
         model = build_masked_lm(cfg.model, tokenizer.src_vocab_size).to(device)
