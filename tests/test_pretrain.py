@@ -292,3 +292,27 @@ def test_the_guides_pretraining_example_runs(tmp_path: Path) -> None:
     assert ckpt.read(tmp_path / "runs/toy-mlm" / ckpt.BEST, (ckpt.MASKED_LM,)).kind == ckpt.MASKED_LM
     assert "initialized the encoder" in (tmp_path / "runs/toy-enc/train.log").read_text(encoding="utf-8")
     assert re.search(r"BLEU = \d", done.stdout)
+
+
+# The kind marker in the file.
+
+
+def test_the_kind_marker_round_trips_and_a_bad_one_is_one_line(tmp_path: Path) -> None:
+    from seq2seq.text.tokenizer import train_tokenizer
+
+    cfg = load_config(TINY)
+    tokenizer = train_tokenizer(["red cat sun moon"] * 20, ["sun moon cat red"] * 20, 24, True)
+    model = build_masked_lm(cfg.model, tokenizer.src_vocab_size)
+    path = tmp_path / "mlm.pt"
+    ckpt.save(path, ckpt.Checkpoint(cfg, tokenizer, model.state_dict(), "run", step=3, kind=ckpt.MASKED_LM))
+    stored = ckpt.read(path, (ckpt.MASKED_LM,))
+    assert stored.kind == ckpt.MASKED_LM and stored.model.keys() == model.state_dict().keys()
+    raw = torch.load(path, weights_only=True)
+    assert raw["kind"] == ckpt.MASKED_LM
+    for bad, message in (([1], "kind must be str, not list"), ("x" * 100, "unknown checkpoint kind 'xxxx")):
+        with pytest.raises(ckpt.CheckpointError, match=re.escape(message)):
+            ckpt.Checkpoint.from_dict({**raw, "kind": bad}, "f.pt", (ckpt.MASKED_LM,))
+    with pytest.raises(ckpt.CheckpointError, match="f.pt is a translation model, not a masked-LM pretraining"):
+        ckpt.Checkpoint.from_dict({k: v for k, v in raw.items() if k != "kind"}, "f.pt", (ckpt.MASKED_LM,))
+    translation = ckpt.Checkpoint(cfg, tokenizer, {}, "run").to_dict()
+    assert "kind" not in translation  # a translation model's file is as it was before kinds

@@ -227,9 +227,9 @@ class Checkpoint:
         another kind than `kinds` is refused first, in one line saying what it is."""
         if not isinstance(raw, dict) or raw.get("format") not in (FORMAT, _FORMAT_V1):
             raise CheckpointError(f"{source}: not a seq2seq checkpoint")
-        kind = raw.get("kind", TRANSLATION)
+        kind = _expect(raw.get("kind", TRANSLATION), str, f"{source}: kind")
         if kind not in KIND_NAMES:
-            raise CheckpointError(f"{source}: unknown checkpoint kind {kind!r}")
+            raise CheckpointError(f"{source}: unknown checkpoint kind {kind[:40]!r}")
         if kind not in kinds:
             raise CheckpointError(f"{source} is {KIND_NAMES[kind]}, not {KIND_NAMES[kinds[0]]}")
         version = raw.get("version", 1)
