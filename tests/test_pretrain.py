@@ -316,3 +316,23 @@ def test_the_kind_marker_round_trips_and_a_bad_one_is_one_line(tmp_path: Path) -
         ckpt.Checkpoint.from_dict({k: v for k, v in raw.items() if k != "kind"}, "f.pt", (ckpt.MASKED_LM,))
     translation = ckpt.Checkpoint(cfg, tokenizer, {}, "run").to_dict()
     assert "kind" not in translation  # a translation model's file is as it was before kinds
+
+
+@pytest.mark.trains
+def test_a_batch_is_masked_alike_in_a_dataloader_worker_and_after_a_resume(pretrained: Path, corpus: Path) -> None:
+    """Masks are a function of (seed, epoch, batch number): a pickled copy (what a worker process gets) masks
+    each batch as the original does, and different batches differently."""
+    import pickle
+
+    from seq2seq.text.prepare import PreparedCorpus
+    from seq2seq.training.pretrain import MaskedEpochs
+
+    cfg = load_config(TINY, tiny_overrides(corpus, pretrained))
+    prepared = PreparedCorpus(pretrained / "prepared")
+    masking = Masking.of(cfg.pretrain, prepared.tokenizer)
+    epochs = MaskedEpochs(masking, prepared, cfg.data, cfg.train, torch.device("cpu"))
+    copy = pickle.loads(pickle.dumps(epochs))
+    for j in (0, 3):
+        a, b = epochs.batch(2, j), copy.batch(2, j)
+        assert torch.equal(a.src, b.src) and torch.equal(a.tgt_out, b.tgt_out) and a.n_tokens == b.n_tokens > 0
+    assert not torch.equal(epochs.batch(2, 0).tgt_out, epochs.batch(3, 0).tgt_out)
