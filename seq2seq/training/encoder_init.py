@@ -20,7 +20,7 @@ import torch
 
 from seq2seq.config import ExperimentConfig, config_changes, to_dict
 from seq2seq.errors import CheckpointError, ConfigError
-from seq2seq.model import Seq2SeqModel, build_model
+from seq2seq.model import Seq2SeqModel, Seq2SeqTransformer, build_model
 from seq2seq.runs import checkpoint as ckpt
 from seq2seq.runs.run_dir import RunDirectory
 from seq2seq.training.finetune import VOCABULARY_KEYS
@@ -81,7 +81,9 @@ def check_encoder(pretrained: ckpt.Checkpoint, cfg: ExperimentConfig, where: str
     """Every tensor of this config's encoder, of the same shape, in the pretrained one; one line if not."""
     tokenizer = pretrained.tokenizer
     with torch.device("meta"):
-        expected = build_model(cfg.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size).encoder.state_dict()
+        model = build_model(cfg.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
+    assert isinstance(model, Seq2SeqTransformer)  # read_pretrained refuses the other architectures
+    expected = model.encoder.state_dict()
     weights = encoder_weights(pretrained)
     settings = [
         f"{key} {old} -> {new}"
@@ -103,6 +105,7 @@ def check_encoder(pretrained: ckpt.Checkpoint, cfg: ExperimentConfig, where: str
 
 def initialize(model: Seq2SeqModel, pretrained: ckpt.Checkpoint, value: str) -> None:
     """Load the pretrained encoder into the freshly built model and say what was loaded."""
+    assert isinstance(model, Seq2SeqTransformer)  # read_pretrained refuses the other architectures
     weights = encoder_weights(pretrained)
     model.encoder.load_state_dict(weights)
     shared = model.decoder.embedding.tokens is model.encoder.embedding.tokens
