@@ -1,4 +1,4 @@
-"""The `seq2seq` command: download, prepare, train, translate, evaluate, average, export, serve, recipe, config.
+"""The `seq2seq` command: download, prepare, train, pretrain, translate, evaluate, average, export, serve, recipe...
 
 Each subcommand turns its arguments into options and calls one function of
 the application layer (seq2seq.app) or the library. Known problems (bad
@@ -71,6 +71,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="YAML experiment file")
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     p.set_defaults(run=_train)
+
+    p = sub.add_parser(
+        "pretrain",
+        help="pretrain the encoder of a config by masked language modelling (BERT), for train.init_encoder_from",
+    )
+    p.add_argument("--config", required=True, help="YAML experiment file (pretrain.* and the train.* of this run)")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
+    p.set_defaults(run=_pretrain)
 
     p = sub.add_parser("prepare", help="prepare the training data of a config (train does it when needed)")
     p.add_argument("--config", required=True, help="YAML experiment file")
@@ -259,6 +267,12 @@ def _train(args: argparse.Namespace) -> int:
     from seq2seq.app.runs import train
 
     return train(load_config(args.config, args.overrides))
+
+
+def _pretrain(args: argparse.Namespace) -> int:
+    from seq2seq.app.runs import train
+
+    return train(load_config(args.config, args.overrides), pretrain=True)
 
 
 def _prepare(args: argparse.Namespace) -> int:

@@ -634,6 +634,12 @@ class TrainConfig(Section):
         "fine-tuning: start a fresh run from this checkpoint's (or run directory's `checkpoint_best.pt`) weights "
         'and tokenizer, everything else afresh (see Fine-tuning); `""`: random weights',
     )
+    init_encoder_from: str = setting(
+        "",
+        "start the encoder (and its embeddings; the decoder's too when shared) from a `seq2seq pretrain` "
+        "checkpoint, or a run directory's `checkpoint_best.pt`, and use its tokenizer; the rest starts afresh "
+        '(see Pretraining the encoder); `""`: random weights',
+    )
 
 
 @dataclass(frozen=True)
@@ -770,6 +776,29 @@ class DecodeConfig(Section):
 
 
 @dataclass(frozen=True)
+class PretrainConfig(Section):
+    """`seq2seq pretrain`: masked language modelling of the encoder (BERT's recipe), read by that command only."""
+
+    text: tuple[str, ...] = setting(
+        (),
+        "monolingual text files (plain or .gz, a sentence a line) to pretrain on; `[]`: the source side of "
+        "`data.train`",
+    )
+    mask_prob: float = setting(0.15, "share of each sentence's ordinary tokens selected for prediction", above=0, max=1)
+    mask_token: float = setting(0.8, "share of the selected tokens replaced by the mask token", min=0, max=1)
+    random_token: float = setting(
+        0.1, "share of the selected tokens replaced by a random token (the rest stay as they were)", min=0, max=1
+    )
+
+    def check(self) -> None:
+        self.require(
+            self.mask_token + self.random_token <= 1,
+            "random_token",
+            f"({self.random_token}) plus {self.key('mask_token')} ({self.mask_token}) must not exceed 1",
+        )
+
+
+@dataclass(frozen=True)
 class ExperimentConfig(Section):
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -778,9 +807,15 @@ class ExperimentConfig(Section):
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
 
     def check(self) -> None:
         data, model, train, decode = self.data, self.model, self.train, self.decode
+        train.require(
+            not (train.init_from and train.init_encoder_from),
+            "init_encoder_from",
+            f"and {train.key('init_from')} both start the weights: give one",
+        )
         valid = self.validation
         train.require(
             bool(train.max_epochs or train.max_steps or train.max_minutes or valid.patience),

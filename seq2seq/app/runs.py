@@ -15,15 +15,17 @@ from seq2seq.errors import UsageError, UserError
 log = logging.getLogger("seq2seq")
 
 
-def train(cfg: ExperimentConfig) -> int:
-    """Train (or resume) a run; the exit code: 0 when it ended by itself, 128 + the signal that stopped it."""
+def train(cfg: ExperimentConfig, pretrain: bool = False) -> int:
+    """Train (or resume) a run, or with `pretrain` a masked-LM pretraining run of the encoder; the exit code:
+    0 when it ended by itself, 128 + the signal that stopped it."""
     from seq2seq.training.assembly import assemble
     from seq2seq.training.distributed import peer_failures
+    from seq2seq.training.pretrain import assemble_pretrain
     from seq2seq.training.trainer import Trainer
 
     try:
         with peer_failures():
-            trainer = Trainer(assemble(cfg))
+            trainer = Trainer(assemble_pretrain(cfg) if pretrain else assemble(cfg))
             trainer.fit()
     except KeyboardInterrupt as e:  # before training started, or a second Ctrl-C
         return interrupt.report(e, "; checkpoint_last.pt (if any) holds the last saved state")
@@ -34,7 +36,8 @@ def train(cfg: ExperimentConfig) -> int:
 
 def prepare_data(cfg: ExperimentConfig, workers: int = 0) -> None:
     """Prepare (or check) the training data, under the run's lock; a run with a checkpoint keeps its tokenizer,
-    a fine-tuning run (`train.init_from`) uses its parent's.
+    a fine-tuning run (`train.init_from`) uses its parent's, one with `train.init_encoder_from` the pretrained
+    encoder's.
 
     workers: encoding processes (0: one per CPU).
     """
@@ -42,6 +45,7 @@ def prepare_data(cfg: ExperimentConfig, workers: int = 0) -> None:
         raise UsageError(f"--workers must be in [0, {MAX_THREADS}], got {workers}")
     from seq2seq.runs.run_dir import RunDirectory
     from seq2seq.text.prepare import ensure_prepared
+    from seq2seq.training.encoder_init import read_pretrained
     from seq2seq.training.finetune import read_parent
     from seq2seq.training.setup import prepared_path
 
@@ -49,8 +53,9 @@ def prepare_data(cfg: ExperimentConfig, workers: int = 0) -> None:
     run.acquire()  # never rebuild the data under a `train` running in this directory
     try:
         resume = run.resume_point()
-        parent = None if resume else read_parent(cfg, run)  # a fine-tuning run encodes with its parent's
-        tokenizer = resume.tokenizer if resume else parent.tokenizer if parent else None
+        # a fine-tuning run encodes with its parent's, a run with train.init_encoder_from with the pretraining run's
+        origin = resume or read_parent(cfg, run) or read_pretrained(cfg, run)
+        tokenizer = origin.tokenizer if origin else None
         ensure_prepared(cfg.data, prepared_path(cfg), tokenizer, workers)
     finally:
         run.release()

@@ -42,6 +42,7 @@ import torch
 from seq2seq.config import ExperimentConfig, config_changes, from_dict, to_dict
 from seq2seq.errors import CheckpointError, ConfigError
 from seq2seq.model import Seq2SeqModel, build_model
+from seq2seq.model.masked_lm import build_masked_lm
 from seq2seq.runs import tensorfile
 from seq2seq.runs.security import check_torch_version
 from seq2seq.text.tokenizer import Tokenizer
@@ -53,6 +54,11 @@ VERSION = 2  # 1: no version key (format "seq2seq-checkpoint-1"), no run id, no 
 MAX_COUNT = 2**53  # steps, epochs, batches: exact as floats, and far beyond any real run
 _FORMAT_V1 = "seq2seq-checkpoint-1"
 LAST, BEST = "checkpoint_last.pt", "checkpoint_best.pt"
+# What a checkpoint's weights are: a translation model (files without a `kind` key), or the encoder and
+# prediction head that `seq2seq pretrain` trains (seq2seq.model.masked_lm), which only
+# `train.init_encoder_from` and a resumed pretraining run read.
+TRANSLATION, MASKED_LM = "translation", "masked-lm"
+KIND_NAMES = {TRANSLATION: "a translation model", MASKED_LM: "a masked-LM pretraining checkpoint"}
 _TMP_SUFFIX = ".tmp"
 _STALE = re.compile(r"\.checkpoint\w*\.pt\.\w+\.tmp")  # atomic_save's temporaries: .{name}.{random}.tmp
 
@@ -198,9 +204,12 @@ class Checkpoint:
     training: TrainingState | None = None  # only in checkpoint_last
     averaged_from: list[str] = field(default_factory=list)
     step: int | None = None  # the optimizer updates behind these weights (None: a file written before it was kept)
+    kind: str = TRANSLATION  # TRANSLATION or MASKED_LM: what the weights are
 
     def to_dict(self) -> dict[str, Any]:
+        kind = {} if self.kind == TRANSLATION else {"kind": self.kind}  # a translation model's file as before
         return {
+            **kind,
             "format": FORMAT,
             "version": VERSION,
             "run_id": self.run_id,
@@ -213,10 +222,16 @@ class Checkpoint:
         }
 
     @classmethod
-    def from_dict(cls, raw: Any, source: str) -> Checkpoint:
-        """Check the schema and types of every field; one-line errors naming the field."""
+    def from_dict(cls, raw: Any, source: str, kinds: Sequence[str] = (TRANSLATION,)) -> Checkpoint:
+        """Check the schema and types of every field; one-line errors naming the field. A checkpoint of
+        another kind than `kinds` is refused first, in one line saying what it is."""
         if not isinstance(raw, dict) or raw.get("format") not in (FORMAT, _FORMAT_V1):
             raise CheckpointError(f"{source}: not a seq2seq checkpoint")
+        kind = _expect(raw.get("kind", TRANSLATION), str, f"{source}: kind")
+        if kind not in KIND_NAMES:
+            raise CheckpointError(f"{source}: unknown checkpoint kind {kind[:40]!r}")
+        if kind not in kinds:
+            raise CheckpointError(f"{source} is {KIND_NAMES[kind]}, not {KIND_NAMES[kinds[0]]}")
         version = raw.get("version", 1)
         if version != VERSION and not (version == 1 and raw["format"] == _FORMAT_V1):
             raise CheckpointError(
@@ -245,6 +260,7 @@ class Checkpoint:
             training=TrainingState.from_dict(training, source) if training is not None else None,
             averaged_from=[str(p) for p in averaged],
             step=step,
+            kind=kind,
         )
 
     def check_resumable_into(
@@ -253,7 +269,7 @@ class Checkpoint:
         """Weights, optimizer and scaler states that fit the model being resumed; one line naming `source` if not."""
         assert self.training is not None
         try:
-            check_shapes(self.config, self.tokenizer, self.model)
+            check_shapes(self.config, self.tokenizer, self.model, self.kind)
         except CheckpointError as e:
             raise CheckpointError(f"{source}: {e}") from None
         self.training.check_fits(optimizer, scaler, source)
@@ -283,17 +299,28 @@ def _tokenizer(raw: Any, source: str) -> Tokenizer:
         raise CheckpointError(f"{source}: the stored SentencePiece model is unusable ({_first_line(e)})") from None
 
 
-def check_shapes(config: ExperimentConfig, tokenizer: Tokenizer, weights: Mapping[str, torch.Tensor]) -> None:
+def build_kind(kind: str, config: ExperimentConfig, tokenizer: Tokenizer) -> torch.nn.Module:
+    """The model a checkpoint of `kind` holds, as its config and tokenizer describe it (fresh weights)."""
+    if kind == MASKED_LM:
+        return build_masked_lm(config.model, tokenizer.src_vocab_size)
+    return build_model(config.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
+
+
+def check_shapes(
+    config: ExperimentConfig, tokenizer: Tokenizer, weights: Mapping[str, torch.Tensor], kind: str = TRANSLATION
+) -> None:
     """Compare the stored tensors with the model the config describes, built on the meta device (no memory)."""
     m = config.model
     layers = 2 * m.rnn.layers if m.rnn is not None else 0
     layers += m.transformer.encoder_layers + m.transformer.decoder_layers if m.transformer is not None else 0
+    if kind == MASKED_LM and m.transformer is not None:  # the encoder alone
+        layers = m.transformer.encoder_layers
     if layers > len(weights):  # every layer has weights of its own: refuse before building them all
         raise CheckpointError(
             f"weights do not fit the stored config: {len(weights)} tensors cannot hold its {layers} layers"
         )
     with torch.device("meta"):
-        expected = build_model(config.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size).state_dict()
+        expected = build_kind(kind, config, tokenizer).state_dict()
     missing, unexpected = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
     if missing or unexpected:
         what = f"missing {missing[0]}" if missing else f"unexpected {unexpected[0]}"
@@ -340,8 +367,9 @@ def _on_cpu(value: Any, copies: dict[tuple[Any, ...], torch.Tensor]) -> Any:
     return value
 
 
-def read(path: str | Path) -> Checkpoint:
-    """A checkpoint file, checked: readable, safe, untampered, well-formed; one-line errors otherwise."""
+def read(path: str | Path, kinds: Sequence[str] = (TRANSLATION,)) -> Checkpoint:
+    """A checkpoint file of one of `kinds`, checked: readable, safe, untampered, well-formed; one-line errors
+    otherwise."""
     path = Path(path)
     raw = _load(path)
     stored = raw.pop("sha256", None) if isinstance(raw, dict) else None
@@ -353,7 +381,7 @@ def read(path: str | Path) -> Checkpoint:
         raise CheckpointError(f"{path}: checksum mismatch: the file was damaged after it was written")
     if stored is None and isinstance(raw, dict) and raw.get("version", 1) != 1:
         raise CheckpointError(f"{path}: checkpoint has no checksum")
-    return Checkpoint.from_dict(raw, str(path))
+    return Checkpoint.from_dict(raw, str(path), kinds)
 
 
 def _load(path: Path) -> Any:

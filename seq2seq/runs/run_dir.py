@@ -169,10 +169,11 @@ class RunDirectory(RunLayout):
 
     # Checkpoints.
 
-    def resume_point(self) -> ckpt.Checkpoint | None:
-        """checkpoint_last to resume from; None for a fresh run, which must not find another run's checkpoints."""
+    def resume_point(self, kind: str = ckpt.TRANSLATION) -> ckpt.Checkpoint | None:
+        """checkpoint_last (of `kind`) to resume from; None for a fresh run, which must not find another run's
+        checkpoints."""
         if self.last.exists():
-            return ckpt.read(self.last)
+            return ckpt.read(self.last, (kind,))
         found = sorted(p.name for p in self.path.glob("checkpoint*.pt"))
         if found and self._left_by_interrupted_first_save(found):
             log.info("%s holds %s but no %s: this run's first save was interrupted; starting the run over",

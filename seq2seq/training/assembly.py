@@ -26,13 +26,15 @@ import torch
 
 from seq2seq.config import ExperimentConfig, save_config
 from seq2seq.model import Seq2SeqModel
+from seq2seq.model.masked_lm import MaskedLM
 from seq2seq.runs.checkpoint import Progress
 from seq2seq.runs.run_dir import RunDirectory
 from seq2seq.text.tokenizer import Tokenizer
 from seq2seq.training import distributed as dist
-from seq2seq.training import finetune
+from seq2seq.training import encoder_init, finetune
 from seq2seq.training.budget import plan_warnings
 from seq2seq.training.epochs import EpochSource
+from seq2seq.training.masking import MaskedValidator
 from seq2seq.training.monitor import Sinks
 from seq2seq.training.optim import Schedule, lr_schedule
 from seq2seq.training.saving import Saver
@@ -76,11 +78,11 @@ class TrainingRun:
     device: torch.device
     tokenizer: Tokenizer
     epochs: EpochSource
-    model: Seq2SeqModel
+    model: Seq2SeqModel | MaskedLM  # a masked LM in a pretraining run (pretrain.py)
     update: UpdateStep  # with the optimizer and the gradient scaler
     lr: Schedule  # the learning rate of update k, so many training seconds into the run
     policy: StopPolicy
-    validator: Validator
+    validator: Validator | MaskedValidator
     progress: Progress  # where the run is: a fresh run's, or a resumed one's
     saver: Saver
     sinks: Sinks
@@ -101,7 +103,8 @@ def assemble(cfg: ExperimentConfig, tokenizer: Tokenizer | None = None) -> Train
     """The parts of the run `cfg` describes, its config and tokenizer written into the run directory.
 
     `tokenizer` skips training one (a resumed run always uses its checkpoint's, a fine-tuning run its
-    parent's). A failed start keeps neither the lock, the log file nor the process group.
+    parent's, a run with `train.init_encoder_from` the pretraining run's). A failed start keeps neither the
+    lock, the log file nor the process group.
     """
     t, saves = cfg.train, cfg.checkpoint
     run = RunDirectory(t.run_dir)
@@ -110,15 +113,18 @@ def assemble(cfg: ExperimentConfig, tokenizer: Tokenizer | None = None) -> Train
         undo.callback(run.release)
         device, precision = setup_device(t, cfg.model.d_model)  # joins the process group under torchrun
         main = dist.is_main()
-        resume, changes, parent = setup_run_dir(run, cfg, main)
+        resume, changes, parent, pretrained = setup_run_dir(run, cfg, main)
         run_id = resume.run_id if resume else run.fresh_run_id(record=main)
-        given = resume.tokenizer if resume else parent.tokenizer if parent else tokenizer
+        origin = resume or parent or pretrained  # whose tokenizer the run keeps
+        given = origin.tokenizer if origin else tokenizer
         corpus = setup_corpus(cfg.data, prepared_path(cfg), given)
         tokenizer = corpus.tokenizer
         epochs = setup_data(cfg.data, t, corpus, device)
         model, optimizer, scaler = setup_model(cfg.model, cfg.optim, t.seed, tokenizer, device, precision)
         if parent:
             finetune.initialize(model, parent, t.init_from)
+        if pretrained:
+            encoder_init.initialize(model, pretrained, t.init_encoder_from)
         validator = setup_validator(
             cfg.data,
             cfg.decode,

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from seq2seq.config import ExperimentConfig
-from seq2seq.runs.checkpoint import Checkpoint, Progress, TrainingState
+from seq2seq.runs.checkpoint import TRANSLATION, Checkpoint, Progress, TrainingState
 from seq2seq.runs.run_dir import RunDirectory
 from seq2seq.text.tokenizer import Tokenizer
 
@@ -26,6 +26,7 @@ class Saver:
     keep_last: int = 0  # step checkpoints kept (checkpoint.keep_last); 0: all
     average_last: int = 0  # step checkpoints averaged at the end; 0: none
     main: bool = True
+    kind: str = TRANSLATION  # what the checkpoints hold (seq2seq.runs.checkpoint)
 
     def save(
         self,
@@ -41,7 +42,9 @@ class Saver:
         if not self.main:
             return
         state = TrainingState(progress, optimizer.state_dict(), scaler.state_dict())
-        checkpoint = Checkpoint(self.config, self.tokenizer, model.state_dict(), self.run_id, state, step=progress.step)
+        checkpoint = Checkpoint(
+            self.config, self.tokenizer, model.state_dict(), self.run_id, state, step=progress.step, kind=self.kind
+        )
         self.run.save(checkpoint, best=improved, keep_last=self.keep_last if keep else 0)
 
     def average(self) -> None:

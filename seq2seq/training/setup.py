@@ -23,13 +23,14 @@ from seq2seq.config import (
 from seq2seq.device import resolve_device, resolve_precision
 from seq2seq.errors import TrainingError
 from seq2seq.model import Seq2SeqModel, build_model
+from seq2seq.runs import checkpoint as ckpt
 from seq2seq.runs.checkpoint import Checkpoint, Progress
 from seq2seq.runs.run_dir import RunDirectory
 from seq2seq.text.corpus import encode_corpus, read_parallel, read_split
 from seq2seq.text.prepare import PreparedCorpus, ensure_prepared
 from seq2seq.text.tokenizer import Tokenizer, tag_line
 from seq2seq.training import distributed as dist
-from seq2seq.training import finetune
+from seq2seq.training import encoder_init, finetune
 from seq2seq.training.epochs import EpochSource
 from seq2seq.training.monitor import MetricsFile, Sinks, TensorBoard
 from seq2seq.training.optim import build_optimizer
@@ -176,22 +177,26 @@ def wrap_ddp(model: torch.nn.Module, device: torch.device) -> DistributedDataPar
 
 
 def setup_run_dir(
-    run: RunDirectory, cfg: ExperimentConfig, main: bool
-) -> tuple[Checkpoint | None, list[str], Checkpoint | None]:
-    """Lock the run directory (rank 0), check what is there (or the parent of a fine-tuning run), then log
-    into it: a refused start writes nothing. Returns the checkpoint to resume, its changes and the parent."""
+    run: RunDirectory, cfg: ExperimentConfig, main: bool, kind: str = ckpt.TRANSLATION
+) -> tuple[Checkpoint | None, list[str], Checkpoint | None, Checkpoint | None]:
+    """Lock the run directory (rank 0), check what is there (or the parent of a fine-tuning run, the pretrained
+    encoder of `train.init_encoder_from`), then log into it: a refused start writes nothing. Returns the
+    checkpoint (of `kind`) to resume, its changes, the parent and the pretrained encoder's checkpoint."""
     if main:
         run.acquire()
     else:
         logging.getLogger("seq2seq").setLevel(logging.WARNING)
-    resume = run.resume_point()
+    resume = run.resume_point(kind)
     changes = check_resumable(resume, cfg, run) if resume else []
-    parent = None if resume else finetune.read_parent(cfg, run)
+    fresh_translation = resume is None and kind == ckpt.TRANSLATION
+    parent = finetune.read_parent(cfg, run) if fresh_translation else None
+    pretrained = encoder_init.read_pretrained(cfg, run) if fresh_translation else None
     if main:
         run.attach_log()
     if resume:
         finetune.note_resume(cfg, run)
-    return resume, changes, parent
+        encoder_init.note_resume(cfg, run)
+    return resume, changes, parent, pretrained
 
 
 def setup_sinks(run: RunDirectory, resume_step: int, main: bool) -> Sinks:
@@ -206,9 +211,8 @@ def check_resumable(resume: Checkpoint, cfg: ExperimentConfig, run: RunDirectory
     if resume.training is None:
         raise TrainingError(f"{run.last} has no training state to resume from")
     changes = config_changes(to_dict(resume.config), to_dict(cfg))
-    fixed = [
-        (key, old, new) for key, old, new in changes if key.startswith(FIXED_ON_RESUME) and key not in FREE_ON_RESUME
-    ]
+    fixed_keys = (*FIXED_ON_RESUME, "pretrain.") if resume.kind == ckpt.MASKED_LM else FIXED_ON_RESUME
+    fixed = [(key, old, new) for key, old, new in changes if key.startswith(fixed_keys) and key not in FREE_ON_RESUME]
     if fixed:
         key, old, new = fixed[0]
         others = f" (and {', '.join(k for k, _, _ in fixed[1:])})" if fixed[1:] else ""
@@ -218,6 +222,6 @@ def check_resumable(resume: Checkpoint, cfg: ExperimentConfig, run: RunDirectory
             "these settings, choose another train.run_dir"
         )
     with torch.device("meta"):  # the model and optimizer being resumed, without memory: refuse before any log
-        model = build_model(cfg.model, resume.tokenizer.src_vocab_size, resume.tokenizer.tgt_vocab_size)
+        model = ckpt.build_kind(resume.kind, cfg, resume.tokenizer)
     resume.check_resumable_into(build_optimizer(model, cfg.optim), None, str(run.last))
     return [f"{key}: {old} -> {new}" for key, old, new in changes]
