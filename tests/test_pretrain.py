@@ -24,6 +24,7 @@ from seq2seq.training.assembly import assemble
 from seq2seq.training.encoder_init import encoder_weights
 from seq2seq.training.loss import batch_loss
 from seq2seq.training.masking import Masking, mask_tokens, masked_batch
+from seq2seq.training.pretrain import text_data
 
 FIRST = 6  # ordinary ids start here in these tests: 4 special ids and 2 language tags
 V = 1000
@@ -336,3 +337,17 @@ def test_a_batch_is_masked_alike_in_a_dataloader_worker_and_after_a_resume(pretr
         a, b = epochs.batch(2, j), copy.batch(2, j)
         assert torch.equal(a.src, b.src) and torch.equal(a.tgt_out, b.tgt_out) and a.n_tokens == b.n_tokens > 0
     assert not torch.equal(epochs.batch(2, 0).tgt_out, epochs.batch(3, 0).tgt_out)
+
+
+def test_the_text_links_follow_the_texts_and_every_rank_may_make_them(tmp_path: Path) -> None:
+    """pretrain.text's files are linked into the run; linking again (another rank, a resumed run with other
+    files) leaves one link per side pointing at the current file."""
+    plain, packed = tmp_path / "a.txt", tmp_path / "b.txt.gz"
+    plain.write_text("x\n")
+    packed.write_bytes(b"")
+    links = tmp_path / "links"
+    data = load_config(TINY, []).data
+    for texts in [(str(plain),), (str(plain),), (str(packed),)]:
+        text_data(data, texts, links)
+    assert sorted(p.name for p in links.iterdir()) == ["set0.src.gz", "set0.tgt.gz"]
+    assert all(p.resolve() == packed for p in links.iterdir())

@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -80,6 +81,16 @@ class MaskedEpochs(EpochSource):
         return masked_batch(super().batch(epoch, j), self.masking, epoch_seed(self.seed, epoch) * 1_000_003 + number)
 
 
+def replace_link(link: Path, target: Path) -> None:
+    """`link` pointing at `target`, replaced in one step: every rank of a run makes the same links at once."""
+    if link.is_symlink() and link.resolve() == target:
+        return
+    temporary = link.with_name(f".{link.name}.{os.getpid()}")
+    temporary.unlink(missing_ok=True)
+    temporary.symlink_to(target)
+    os.replace(temporary, link)
+
+
 def text_data(d: DataConfig, texts: tuple[str, ...], links: Path) -> DataConfig:
     """A corpus config whose training sets are the `pretrain.text` files, each as both sides of its pairs
     (links in `links`), so that they are prepared, batched and checked as any training data."""
@@ -90,10 +101,9 @@ def text_data(d: DataConfig, texts: tuple[str, ...], links: Path) -> DataConfig:
         if not path.is_file():
             raise ConfigError(f"pretrain.text: {text} is not a file")
         for side in ("src", "tgt"):
-            link = links / f"set{k}.{side}{'.gz' if path.suffix == '.gz' else ''}"
-            for old in (links / f"set{k}.{side}", links / f"set{k}.{side}.gz"):
-                old.unlink(missing_ok=True)
-            link.symlink_to(path)
+            gz = path.suffix == ".gz"
+            (links / f"set{k}.{side}{'' if gz else '.gz'}").unlink(missing_ok=True)  # a former text's other form
+            replace_link(links / f"set{k}.{side}{'.gz' if gz else ''}", path)
         names.append(f"set{k}")
     return dataclasses.replace(
         d, dir=str(links), train=tuple(names), src_lang="src", tgt_lang="tgt", format="text", pairs=()

@@ -187,8 +187,8 @@ class UpdateStep:
             self._skipped(launched.step, loss)
             return None
         self.bad_steps = 0
-        tokens = launched.tokens
-        return UpdateStats(loss / tokens, nll / tokens, tokens, launched.lr, grad_norm)
+        tokens = launched.tokens  # 0 only where a pretraining update's sentences had no token to mask
+        return UpdateStats(loss / max(tokens, 1), nll / max(tokens, 1), tokens, launched.lr, grad_norm)
 
     def accumulate(self, batches: list[Batch], step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
         """Forward and backward over the micro-batches, leaving in `.grad` the gradient of the
@@ -199,7 +199,7 @@ class UpdateStep:
         """
         world, rank = dist.world_size(), dist.rank()
         tokens = dist.sum_all([float(sum(b.n_tokens for b in batches))], self.device)[0]
-        scale = world / tokens  # DDP averages gradients over ranks; undo that
+        scale = world / max(tokens, 1)  # DDP averages gradients over ranks; undo that
         model = self.compiled or self.ddp or self.model
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         nll_sum = torch.zeros_like(loss_sum)
