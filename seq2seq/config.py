@@ -457,6 +457,14 @@ class TransformerConfig(Section):
             f"{self.attention} does not go with {self.key('positions')}: {self.positions} (it takes "
             f"{', '.join(supported[self.attention])})",
         )
+        kind_of = {"window": "local_global", "global_tokens": "local_global", "random_links": "local_global"}
+        kind_of["linformer_length"] = "linformer"
+        for name, kind in kind_of.items():  # a setting of another attention would be ignored: a mistake
+            self.require(
+                self.attention == kind or getattr(self, name) == getattr(TransformerConfig, name),
+                name,
+                f"applies to {self.key('attention')}: {kind} only (the attention is {self.attention})",
+            )
         self.require(self.t5_buckets % 2 == 0, "t5_buckets", f"({self.t5_buckets}) must be even (two directions)")
         self.require(
             self.t5_max_distance > self.t5_buckets // 2,

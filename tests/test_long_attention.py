@@ -149,6 +149,9 @@ def test_linformer_refuses_an_input_longer_than_its_projection() -> None:
         ({"attention": "linformer", "positions": "relative"}, "linformer does not go with model.transformer.posit"),
         ({"attention": "linformer", "positions": "rope"}, "linformer does not go with model.transformer.positions"),
         ({"attention": "local_global", "positions": "t5_bias"}, "local_global does not go with model.transformer"),
+        ({"window": 32}, "model.transformer.window applies to model.transformer.attention: local_global only"),
+        ({"attention": "linformer", "global_tokens": 2}, "global_tokens applies to model.transformer.attention: loc"),
+        ({"attention": "local_global", "linformer_length": 32}, "linformer_length applies to model.transformer.att"),
     ],
 )
 def test_bad_settings_are_refused_in_one_line(settings: dict[str, object], error: str) -> None:
