@@ -48,12 +48,13 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    settings = TransformerConfig(
-        attention="full" if args.kind == "full_math" else args.kind,
-        window=args.window,
-        global_tokens=args.global_tokens,
-        linformer_length=args.linformer_length,
-    )
+    attention = "full" if args.kind == "full_math" else args.kind
+    own = {  # each attention's own settings: the config refuses another's
+        "full": {},
+        "local_global": {"window": args.window, "global_tokens": args.global_tokens},
+        "linformer": {"linformer_length": args.linformer_length},
+    }
+    settings = TransformerConfig(attention=attention, **own[attention])
     d = args.d_model
     layer = EncoderLayer(d, args.heads, 4 * d, 0.0, 0.0, 0.0, "relu", True, LayerOptions(settings, args.length))
     x = torch.randn(1, args.length, d, requires_grad=True)
