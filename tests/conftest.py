@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from collections.abc import Iterator
@@ -78,6 +79,24 @@ def write_corpus(directory: Path, n_train: int = 3000, seed: int = 0) -> Path:
 
 def tiny_overrides(corpus: Path, run_dir: Path, *extra: str) -> list[str]:
     return [f"data.dir={corpus}", "data.test=test", f"train.run_dir={run_dir}", *extra]
+
+
+def decodes_and_evaluates(
+    best: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], nbest: int = 3, strategies: tuple[str, ...] = ()
+) -> None:
+    """`translate` with beam n-best (JSONL, `nbest` each) and with each other search, then `evaluate`, through
+    the CLI on checkpoint `best`; each exits 0, and evaluate prints BLEU."""
+    source = tmp_path / "in.txt"
+    source.write_text("red cat dog\nblue sun\n", encoding="utf-8")
+    out = tmp_path / "out.jsonl"
+    argv = ["translate", "-c", best, "-i", str(source), "-o", str(out)]
+    assert main([*argv, "--format", "jsonl", f"decode.nbest={nbest}", f"decode.beam_size={nbest}"]) == 0
+    records = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert [len(r["nbest"]) for r in records] == [nbest, nbest]
+    for strategy in strategies:
+        assert main([*argv[:-1], str(tmp_path / f"{strategy}.txt"), f"decode.strategy={strategy}"]) == 0
+    assert main(["evaluate", "-c", best]) == 0
+    assert "BLEU" in capsys.readouterr().out
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import TINY, tiny_overrides
+from conftest import TINY, decodes_and_evaluates, tiny_overrides
 
 from seq2seq.cli import main
 from seq2seq.decoding.translate import Translator
@@ -150,17 +150,7 @@ def test_positions_inside_attention_or_none_train_translate_evaluate_and_resume(
         "validation.best_metric=loss",
     )
     assert main(["train", "--config", str(TINY), *tiny_overrides(corpus, run, *settings)]) == 0
-    best = str(run / "checkpoint_best.pt")
-    source = tmp_path / "in.txt"
-    source.write_text("red cat dog\nblue sun\n", encoding="utf-8")
-    out = tmp_path / "out.jsonl"
-    argv = ["translate", "-c", best, "-i", str(source), "-o", str(out)]
-    assert main([*argv, "--format", "jsonl", "decode.nbest=3", "decode.beam_size=3"]) == 0
-    records = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
-    assert [len(r["nbest"]) for r in records] == [3, 3]
-    assert main([*argv[:-1], str(tmp_path / "greedy.txt"), "decode.strategy=greedy"]) == 0
-    assert main(["evaluate", "-c", best]) == 0
-    assert "BLEU" in capsys.readouterr().out
+    decodes_and_evaluates(str(run / "checkpoint_best.pt"), tmp_path, capsys, strategies=("greedy",))
     resumed = tiny_overrides(corpus, run, *settings, "train.max_epochs=3")
     assert main(["train", "--config", str(TINY), *resumed]) == 0
     assert "resuming" in (run / "train.log").read_text(encoding="utf-8")

@@ -8,14 +8,13 @@ attention it records over the source, ensembles, its config and its refusals, an
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, model_config, reversal_pairs, tiny_overrides
+from conftest import TINY, decodes_and_evaluates, model_config, reversal_pairs, tiny_overrides
 from test_model import VOCAB, source_batch, target_batch, tiny_model
 
 from seq2seq.cli import main
@@ -219,17 +218,7 @@ def test_train_translate_evaluate_average_resume_and_refused_exports(
     assert "M parameters (decoder_only)" in (run / "train.log").read_text(encoding="utf-8")
     best = str(run / "checkpoint_best.pt")
     assert isinstance(load_checkpoint(best).model, DecoderOnlyTransformer)
-    source = tmp_path / "in.txt"
-    source.write_text("red cat dog\nblue sun\n", encoding="utf-8")
-    out = tmp_path / "out.jsonl"
-    argv = ["translate", "-c", best, "-i", str(source), "-o", str(out)]
-    assert main([*argv, "--format", "jsonl", "decode.nbest=3", "decode.beam_size=3"]) == 0
-    records = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
-    assert [len(r["nbest"]) for r in records] == [3, 3]
-    for strategy in ("greedy", "sample"):
-        assert main([*argv[:-1], str(tmp_path / f"{strategy}.txt"), f"decode.strategy={strategy}"]) == 0
-    assert main(["evaluate", "-c", best]) == 0
-    assert "BLEU" in capsys.readouterr().out
+    decodes_and_evaluates(best, tmp_path, capsys, strategies=("greedy", "sample"))
     assert main(["average", "--run-dir", str(run), "--last", "2", "-o", str(tmp_path / "avg.pt")]) == 0
     capsys.readouterr()
     refusals = {
@@ -239,7 +228,7 @@ def test_train_translate_evaluate_average_resume_and_refused_exports(
     }
     for what, message in refusals.items():
         if what == "int8":
-            code = main([*argv, "decode.quantize=int8"])
+            code = main(["translate", "-c", best, "-i", str(tmp_path / "in.txt"), "decode.quantize=int8"])
         else:
             code = main(["export", best, "-o", str(tmp_path / what), *(["--format", "hf"] if what == "hf" else [])])
         err = capsys.readouterr().err

@@ -7,14 +7,13 @@ The model-level proofs every variant gets (cache == forward, padding, causality)
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY, model_config, tiny_overrides
+from conftest import TINY, decodes_and_evaluates, model_config, tiny_overrides
 from test_model import CLOSE, source_batch, target_batch, tiny_model
 from torch import Tensor
 
@@ -176,16 +175,7 @@ def test_long_attention_trains_translates_evaluates_and_does_not_export(
     overrides = tiny_overrides(corpus, run, *settings, *common, "validation.best_metric=loss")
     assert main(["train", "--config", str(TINY), *overrides]) == 0
     best = str(run / "checkpoint_best.pt")
-    source = tmp_path / "in.txt"
-    source.write_text("red cat dog\nblue sun\n", encoding="utf-8")
-    out = tmp_path / "out.jsonl"
-    argv = ["translate", "-c", best, "-i", str(source), "-o", str(out)]
-    assert main([*argv, "--format", "jsonl", "decode.nbest=2", "decode.beam_size=2"]) == 0
-    records = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
-    assert [len(r["nbest"]) for r in records] == [2, 2]
-    assert main([*argv[:-1], str(tmp_path / "greedy.txt"), "decode.strategy=greedy"]) == 0
-    assert main(["evaluate", "-c", best]) == 0
-    assert "BLEU" in capsys.readouterr().out
+    decodes_and_evaluates(best, tmp_path, capsys, nbest=2, strategies=("greedy",))
     kind = settings[0].split("=")[1]
     for export in (["--format", "hf"], ["--format", "ctranslate2"]):
         assert main(["export", best, *export, "-o", str(tmp_path / "exported")]) == 1
