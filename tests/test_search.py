@@ -27,8 +27,10 @@ from seq2seq.decoding.search import (
     constrain,
     length_penalty,
     max_lengths,
+    next_logprobs,
     restrict,
     search,
+    top_k_rows,
 )
 from seq2seq.decoding.uncached import uncached_search
 from seq2seq.model import AttentionRecord
@@ -325,6 +327,33 @@ def test_beam_step_separates_finished_from_live() -> None:
     logprobs[0, B] = NEG_INF
     out = beam_step(scores, logprobs)
     assert out.next_tokens.tolist() == [[A, PAD]] and out.next_scores[0, 1] == NEG_INF
+
+
+@pytest.mark.parametrize("V", [1000, 8000, 8003, 32000])
+@pytest.mark.parametrize("k", [1, 2, 10])
+def test_top_k_rows_equals_a_full_top_k(V: int, k: int) -> None:
+    generator = torch.Generator().manual_seed(V + k)
+    x = torch.randn(37, V, generator=generator)
+    x[0] = NEG_INF  # a row with nothing allowed
+    x[1, :] = NEG_INF
+    x[1, [5, V - 1]] = torch.tensor([-1.0, 0.0])  # fewer finite entries than k, one after the last whole block
+    x[2, -3:] = torch.tensor([10.0, 10.1, 10.2])  # the best entries all in those columns
+    spread = x[3, ::257]
+    x[3, ::257] = 5.0 + torch.arange(spread.numel()) / 100  # the best entries spread over many blocks
+    values, indices = top_k_rows(x, k)
+    expected_values, expected_indices = x.topk(k, dim=1)
+    assert torch.equal(values, expected_values)
+    assert torch.equal(x.gather(1, indices), values)  # the indices point at the values (ties may pick others)
+    finite = torch.isfinite(expected_values)
+    assert torch.equal(indices[finite], expected_indices[finite])  # no ties among these finite values
+
+
+def test_next_logprobs_normalises_the_logits_in_place() -> None:
+    logits = torch.randn(6, V) * 3
+    expected = constrain(torch.log_softmax(logits, dim=-1), 0, torch.full((6,), 5), torch.full((6, 1), BOS), cfg())
+    out = next_logprobs(logits, 0, torch.full((6,), 5), torch.full((6, 1), BOS), cfg(), None)
+    assert out.data_ptr() == logits.data_ptr()  # fp32 logits become the log-probabilities: no second table
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
 
 
 def test_constrain_forces_eos_at_the_limit_and_blocks_it_before_min_len() -> None:

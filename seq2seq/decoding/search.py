@@ -23,13 +23,14 @@ the plain sum). Token log-probabilities are the model's (log-softmax of its
 logits, before any masking or temperature). The penalty ranks finished
 hypotheses; live ones, all of one length at a step, compete on L.
 
-Stopping rule (beam search, as in fairseq). Each step takes the 2K best
-extensions of a sentence's K live hypotheses by summed log-probability. EOS
-extensions ranked among the top K finish (they leave the beam and never grow);
-the K best other extensions live on. A sentence stops as soon as K hypotheses
-have finished, or when all its live hypotheses are forced to end at max_len_i.
-With alpha > 0 a live hypothesis could in principle still overtake a finished
-one; like fairseq we do not keep searching for it.
+Stopping rule (beam search). Each step takes the 2K best extensions of a
+sentence's K live hypotheses by summed log-probability. EOS extensions ranked
+among the top K finish (they leave the beam and never grow); the K best other
+extensions live on. With decode.beam_stop: exact (the default) a sentence stops
+only when no live hypothesis can still beat its K-th best finished one under
+the length penalty (`still_searching` says how that is bounded), or when all
+its live hypotheses are forced to end at max_len_i; with first_k it stops as
+soon as K hypotheses have finished, as fairseq does.
 
 Prefixes. A sentence may come with a target prefix (B, P) of tokens, PAD after
 its end: its first tokens are forced to the prefix, in every strategy, and
@@ -86,15 +87,12 @@ def max_lengths(src_pad_mask: Tensor, cfg: DecodeConfig, limit: int, prefix: Ten
     return torch.maximum(lengths, (prefix != PAD).sum(dim=1)).clamp(max=limit)
 
 
-def constrain(
-    logprobs: Tensor, step: int, max_len: Tensor, history: Tensor, cfg: DecodeConfig, lse: Tensor | None = None
-) -> Tensor:
+def constrain(logprobs: Tensor, step: int, max_len: Tensor, history: Tensor, cfg: DecodeConfig) -> Tensor:
     """Forbid PAD/BOS (and UNK, repeated n-grams, an early EOS); force EOS at the length limit. In place.
 
-    logprobs: (N, V) for the token at 0-based position `step`, or with `lse` (N,) the logits whose
-    log-probabilities are logits - lse; max_len: (N,) tokens allowed before EOS; history: (N, step + 1)
-    tokens so far, BOS first. A row left with no allowed token (tiny vocabularies, n-gram blocking) ends
-    with EOS, so every hypothesis can always finish.
+    logprobs: (N, V) for the token at 0-based position `step`; max_len: (N,) tokens allowed before EOS;
+    history: (N, step + 1) tokens so far, BOS first. A row left with no allowed token (tiny vocabularies,
+    n-gram blocking) ends with EOS, so every hypothesis can always finish.
     """
     model_eos = logprobs[:, EOS].clone()  # (N,)
     logprobs[:, PAD] = NEG_INF
@@ -109,45 +107,60 @@ def constrain(
     if forced.any():
         logprobs[forced] = NEG_INF
         # A model that rules EOS out entirely (possible only with -inf logits) gets a cut, scored 0.
-        logprobs[forced, EOS] = scored_zero_if_ruled_out(model_eos[forced], None if lse is None else lse[forced])
+        logprobs[forced, EOS] = scored_zero_if_ruled_out(model_eos[forced])
     return logprobs
 
 
-def scored_zero_if_ruled_out(values: Tensor, lse: Tensor | None) -> Tensor:
-    """`values` (logits, or log-probabilities when `lse` is None), a -inf one replaced by log-probability 0."""
-    return values.nan_to_num(neginf=0.0) if lse is None else torch.where(values == NEG_INF, lse, values)
-
-
-def next_scores(
-    logits: Tensor, step: int, max_len: Tensor, history: Tensor, cfg: DecodeConfig, forced: Tensor | None
-) -> tuple[Tensor, Tensor]:
-    """The model's next-token scores for position `step`, constrained (see `constrain`): fp32 logits
-    (N, V), masked in place, and their log-normaliser lse (N,), so that the log-probabilities are
-    logits - lse[:, None]. Beam search ranks with these without materialising log-probabilities.
-
-    `forced` (N,) holds a prefix token for the rows that must take one (PAD for
-    the others): such a row keeps only that token, at the model's log-probability.
-    """
-    scores = logits.float()
-    lse = torch.logsumexp(scores, dim=-1)  # (N,)
-    if forced is None:
-        return constrain(scores, step, max_len, history, cfg, lse), lse
-    # (N,) before constrain masks them; a model that rules the token out entirely (only -inf logits
-    # can) gets it scored 0, as constrain does for a forced EOS, so that the prefix always appears.
-    model_scores = scored_zero_if_ruled_out(scores.gather(1, forced[:, None])[:, 0], lse)
-    scores = constrain(scores, step, max_len, history, cfg, lse)
-    rows = (forced != PAD).nonzero().flatten()
-    scores[rows] = NEG_INF
-    scores[rows, forced[rows]] = model_scores[rows]
-    return scores, lse
+def scored_zero_if_ruled_out(logprobs: Tensor) -> Tensor:
+    """`logprobs` with a -inf one (a token the model rules out entirely) replaced by log-probability 0."""
+    return logprobs.nan_to_num(neginf=0.0)
 
 
 def next_logprobs(
     logits: Tensor, step: int, max_len: Tensor, history: Tensor, cfg: DecodeConfig, forced: Tensor | None
 ) -> Tensor:
-    """The model's log-probabilities (N, V) for position `step`, constrained (see `next_scores`)."""
-    scores, lse = next_scores(logits, step, max_len, history, cfg, forced)
-    return scores.sub_(lse[:, None])
+    """The model's log-probabilities (N, V) for position `step`, constrained (see `constrain`).
+
+    fp32 logits are normalised in place (one fused pass a row, no second (N, V) table), so the caller
+    gives up `logits`. `forced` (N,) holds a prefix token for the rows that must take one (PAD for the
+    others): such a row keeps only that token, at the model's log-probability.
+    """
+    logprobs = logits.float()
+    torch.log_softmax(logprobs, dim=-1, out=logprobs)
+    if forced is None:
+        return constrain(logprobs, step, max_len, history, cfg)
+    # (N,) before constrain masks them; a model that rules the token out entirely (only -inf logits
+    # can) gets it scored 0, as constrain does for a forced EOS, so that the prefix always appears.
+    model_scores = scored_zero_if_ruled_out(logprobs.gather(1, forced[:, None])[:, 0])
+    logprobs = constrain(logprobs, step, max_len, history, cfg)
+    rows = (forced != PAD).nonzero().flatten()
+    logprobs[rows] = NEG_INF
+    logprobs[rows, forced[rows]] = model_scores[rows]
+    return logprobs
+
+
+def top_k_rows(x: Tensor, k: int, block: int = 128) -> tuple[Tensor, Tensor]:
+    """`x.topk(k, dim=1)` for (N, V) rows, best first: the same values, the same indices but among ties.
+
+    On the CPU, with V much larger than k, it looks at the k blocks of `block` columns with the largest
+    maxima (and the columns after the last whole block) instead of whole rows: a row's k best entries lie
+    there, since each block holding one has a maximum at least as large, and fewer than k other blocks can
+    have a larger one. A beam step's (B * K, V) scores cost about half a full row-wise top-k this way.
+    """
+    N, V = x.shape
+    n_blocks = V // block
+    if x.device.type != "cpu" or n_blocks < 4 * k or x.stride(1) != 1:
+        return x.topk(k, dim=1)
+    blocks = x.as_strided((N, n_blocks, block), (x.stride(0), block, 1))  # (N, n_blocks, block), a view
+    chosen = blocks.amax(dim=2).topk(k, dim=1).indices  # (N, k)
+    candidates = blocks[torch.arange(N, device=x.device)[:, None], chosen].view(N, k * block)
+    tail = n_blocks * block  # the columns after the last whole block are always candidates
+    if tail < V:
+        candidates = torch.cat([candidates, x[:, tail:]], dim=1)
+    values, where = candidates.topk(k, dim=1)  # (N, k)
+    in_block = where.div(block, rounding_mode="floor")  # (N, k): which chosen block, or >= k for the tail
+    from_blocks = chosen.gather(1, in_block.clamp(max=k - 1)) * block + where % block
+    return values, torch.where(in_block < k, from_blocks, where - k * block + tail)
 
 
 def forced_tokens(prefix: Tensor | None, step: int, sentence: Tensor) -> Tensor | None:
@@ -285,28 +298,26 @@ class BeamStep:
     eos_scores: Tensor  # (M,) ... and their summed log-probabilities
 
 
-def beam_step(scores: Tensor, logprobs: Tensor, beam_size: int = 0, lse: Tensor | None = None) -> BeamStep:
+def beam_step(scores: Tensor, logprobs: Tensor, beam_size: int = 0) -> BeamStep:
     """The selection rule: the K best live extensions, and the EOS ones among the top K.
 
     scores: (B, R) summed log-probabilities of each sentence's R rows (-inf for
     empty slots); logprobs: (B * R, V) next-token log-probabilities (-inf where
-    forbidden), or with `lse` (B * R,) the logits whose log-probabilities are
-    logits - lse (`next_scores`); beam_size K (0: R). R is K, or 1 at the first
+    forbidden); beam_size K (0: R). R is K, or 1 at the first
     step, when every hypothesis is BOS alone. Among the 2K best candidates at
     most K are EOS ranked in the top K, so K live ones remain whenever K finite
     non-EOS candidates exist; otherwise slots stay empty.
 
     A sentence's 2K best candidates are among its rows' own 2K best tokens, so
     each row is cut to those first: the (B, R * V) table of candidates is never
-    formed, and the normaliser is added to 2K values a row, not V.
+    formed.
     """
     B, R = scores.shape
     K = beam_size or R
     V = logprobs.shape[-1]
     k = min(2 * K, V)
-    row_best, row_tokens = logprobs.topk(k, dim=1)  # (N, k), best first
-    offset = scores.view(-1, 1) if lse is None else scores.view(-1, 1) - lse[:, None]  # (N, 1)
-    candidates = (row_best + offset).view(B, R * k)
+    row_best, row_tokens = top_k_rows(logprobs, k)  # (N, k), best first
+    candidates = (row_best + scores.view(-1, 1)).view(B, R * k)
     top_scores, top_index = candidates.topk(min(2 * K, R * k), dim=1)  # (B, 2K), best first
     top_tokens = row_tokens.view(B, R * k).gather(1, top_index)
     top_rows = top_index // k + torch.arange(B, device=scores.device)[:, None] * R
@@ -410,12 +421,12 @@ def beam_search(
         interrupt.check_cancelled()
         logits = session.step(history[:, -1:])  # (N, V)
         forced = forced_tokens(prefix, step, sentence.repeat_interleave(scores.shape[1]))
-        logits, lse = next_scores(logits, step, max_len, history, cfg, forced)  # log-probabilities: logits - lse
-        out = beam_step(scores, logits, K, lse)
-        finished.collect(out, sentence, history, step_scores, logits[:, EOS] - lse)
+        logprobs = next_logprobs(logits, step, max_len, history, cfg, forced)
+        out = beam_step(scores, logprobs, K)
+        finished.collect(out, sentence, history, step_scores, logprobs[:, EOS])
         rows, tokens = out.next_rows.flatten(), out.next_tokens.flatten()  # (B * K,)
         history = torch.cat([history[rows], tokens[:, None]], dim=1)
-        step_scores = torch.cat([step_scores[rows], (logits[rows, tokens] - lse[rows])[:, None]], dim=1)
+        step_scores = torch.cat([step_scores[rows], logprobs[rows, tokens][:, None]], dim=1)
         expanding = scores.shape[1] != K
         scores, max_len = out.next_scores, max_len[rows]
         searching = still_searching(scores, finished.kth, step, max_len.view(scores.shape), cfg.length_penalty, exact)
