@@ -98,8 +98,8 @@ class DecoderCache:
       values, 0 .. step-1 valid. It is preallocated and written in place, its
       capacity (at first the source length) growing by `CHUNK` positions when
       full: a concatenation per step would copy the whole cache at every
-      step. Reordering copies the valid positions into a second buffer of the
-      same size, and the two swap, so that a step allocates nothing.
+      step. Reordering copies, in place, the valid positions of the rows whose
+      hypothesis changed (`_move`).
 
     Rows that search drops (finished sentences) are not always copied away:
     while most rows are alive, `rows` maps the N rows search sees to the P
@@ -207,7 +207,9 @@ class DecoderCache:
         else:
             moved = (index != torch.arange(n, device=index.device)).nonzero().squeeze(1)
             if moved.numel():
-                valid[:, :, moved] = valid[:, :, index[moved]]  # gathered into a temporary before any row is written
+                sources = index[moved]
+                for part in valid.view(-1, *valid.shape[2:]):  # (rows, H, step, Dh) per layer and K/V: whole rows
+                    part.index_copy_(0, moved, part.index_select(0, sources))  # gathered before any is written
         self.self_kv = self._buffer[:, :, :n]
 
     def cross_bias(self, like: Tensor) -> Tensor:
