@@ -343,6 +343,29 @@ def test_cache_reorder_and_select_follow_the_rows(name: str, device: torch.devic
     torch.testing.assert_close(torch.stack(steps, dim=1), expected[order, 3:], **CLOSE)
 
 
+@pytest.mark.parametrize("name", ["pre", "relative", "rope"])
+@torch.no_grad()
+def test_the_cache_grows_past_its_first_capacity(name: str) -> None:
+    """Targets longer than the source and a chunk: the self-attention buffer grows (twice here), reordered
+    hypotheses included, and every step still equals the full forward pass."""
+    model = tiny_model(**variant(name), max_positions=64)
+    src, mask = source_batch()  # 7 positions: a first capacity of 7 + 16, rounded up to 32
+    length, sentence = 50, torch.tensor([0, 0, 1, 2])  # sentence 0 twice: a beam of two hypotheses
+    tgt = torch.randint(EOS + 1, VOCAB, (4, length), generator=torch.Generator().manual_seed(3))  # one per row
+    tgt[:, 0] = BOS
+    expected = model(src[sentence], mask[sentence], tgt)
+    session = model.start(src, mask)
+    session.select(sentence)
+    row = torch.arange(4)  # the hypothesis (row of tgt) each row of the cache holds
+    for t in range(length):
+        if t in (20, 40):  # swap the beam's two hypotheses: once before the buffer grows, once after
+            session.reorder(torch.tensor([1, 0, 2, 3]))
+            row = row[torch.tensor([1, 0, 2, 3])]
+        torch.testing.assert_close(session.step(tgt[row, t : t + 1]), expected[row, t], **CLOSE)
+    assert isinstance(session, TransformerSession) and session.cache.self_kv is not None
+    assert session.cache.self_kv.shape[4] == 64
+
+
 @pytest.mark.parametrize("name", ["pre", "post", "relative", "rope", "none", "t5_bias"])
 @torch.no_grad()
 def test_cache_follows_beams_and_dropped_rows(name: str, device: torch.device) -> None:

@@ -96,7 +96,7 @@ class DecoderCache:
       translate source r, so a beam of K hypotheses reads one copy, not K;
     - `self_kv` (L, 2, P, H, capacity, Dh): the decoded positions' keys and
       values, 0 .. step-1 valid. It is preallocated and written in place, its
-      capacity (at first the source length) growing by `CHUNK` positions when
+      capacity (at first the source length + `CHUNK`) growing by `CHUNK` positions when
       full: a concatenation per step would copy the whole cache at every
       step. Reordering copies, in place, the valid positions of the rows whose
       hypothesis changed (`_move`).
@@ -150,7 +150,8 @@ class DecoderCache:
         if kv is not None and kv.shape[4] >= end:
             return kv
         P, H, _, Dh = like.shape
-        wanted = end if kv is not None else max(end, self.cross.shape[4])  # at first: the source length
+        # At first the source length and a chunk more: most translations fit, and the cache never grows.
+        wanted = end if kv is not None else max(end, self.cross.shape[4] + self.CHUNK)
         capacity = -(-wanted // self.CHUNK) * self.CHUNK  # rounded up to whole chunks
         grown = like.new_empty(len(self.layers), 2, P, H, capacity, Dh)
         if kv is not None:
