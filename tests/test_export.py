@@ -335,3 +335,22 @@ def test_rotary_settings_are_read_from_the_model() -> None:
     assert _position_options(relative) == {"relative_position": True}
     t5 = build_model(ModelConfig(d_model=32, transformer=TransformerConfig(positions="t5_bias")), 40, 40)
     assert _position_options(t5) == {"relative_attention_bias": True}
+
+
+def test_ctranslate2_keeps_its_own_openmp_runtime_beside_torch() -> None:
+    """A process with both engines: CTranslate2's OpenMP calls bind to the libgomp its wheel ships, not to
+    torch's (which would make one runtime of both, throttled once it counts more threads than CPUs)."""
+    import os
+    import subprocess
+    import sys
+
+    libs = Path(ctranslate2.__file__).parent.parent / "ctranslate2.libs"
+    if not hasattr(os, "RTLD_DEEPBIND") or not any(p.name.startswith("libgomp") for p in libs.glob("*")):
+        pytest.skip("needs Linux and a CTranslate2 wheel with its own libgomp")
+    code = "import torch; from seq2seq.deploy.exported import import_ctranslate2; import_ctranslate2()"
+    env = {**os.environ, "LD_DEBUG": "bindings"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    bindings = [line for line in done.stderr.splitlines() if "libctranslate2" in line and "GOMP_parallel" in line]
+    assert bindings, "no binding of CTranslate2's GOMP_parallel was logged"
+    assert all("ctranslate2.libs/libgomp" in line for line in bindings), bindings

@@ -155,9 +155,9 @@ def forced_ct2_translate(directory: Path, tokenizer: Any, decode: Any, threads: 
     """CTranslate2 decoding exactly decode.max_len tokens per sentence (a shape's forced length), batched by
     source tokens like the PyTorch path, with as many decoder steps: our tokens + EOS; the last step's
     token is not EOS, so it is dropped."""
-    import ctranslate2
+    from seq2seq.deploy.exported import import_ctranslate2
 
-    engine = ctranslate2.Translator(str(directory), device="cpu", intra_threads=threads, inter_threads=1)
+    engine = import_ctranslate2().Translator(str(directory), device="cpu", intra_threads=threads, inter_threads=1)
     options = {
         "beam_size": decode.beam_size if decode.strategy == "beam" else 1,
         "length_penalty": decode.length_penalty,

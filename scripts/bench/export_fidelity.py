@@ -15,13 +15,12 @@ import argparse
 import json
 from pathlib import Path
 
-import ctranslate2
 import torch
 
 from seq2seq.app.evaluation import EvalSet, eval_set, score
 from seq2seq.decoding.translate import TextTranslator, Translator
 from seq2seq.deploy.export import export_ctranslate2
-from seq2seq.deploy.exported import CTranslate2Translator
+from seq2seq.deploy.exported import CTranslate2Translator, import_ctranslate2
 from seq2seq.runs import checkpoint
 
 SEARCHES = {"greedy": {"strategy": "greedy"}, "beam 5": {"strategy": "beam", "beam_size": 5}}
@@ -83,7 +82,7 @@ def main() -> None:
             parser.error(f"expected NAME=CHECKPOINT, got {item!r}")
         rows += rows_for(name, Path(path), out, args.threads)
     (out / "fidelity.json").write_text(json.dumps(rows, indent=2), encoding="utf-8")
-    print(f"\nCTranslate2 {ctranslate2.__version__}, torch {torch.__version__}, {args.threads} thread(s)\n")
+    print(f"\nCTranslate2 {import_ctranslate2().__version__}, torch {torch.__version__}, {args.threads} thread(s)\n")
     print(markdown(rows))
 
 

@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, TypeVar
@@ -67,12 +69,27 @@ T = TypeVar("T", bound="CTranslate2Translator")
 
 
 def import_ctranslate2() -> Any:
+    """The `ctranslate2` module, loaded so that it keeps its own OpenMP runtime (Linux: RTLD_DEEPBIND).
+
+    Its wheel ships a libgomp of its own, but torch (imported first, always) has put its libgomp in the
+    process's global symbol scope, and a plain import binds CTranslate2's OpenMP calls to torch's copy.
+    The two then share one runtime, and once CTranslate2's worker thread has run a parallel region, that
+    runtime counts more threads than CPUs and throttles every thread's spinning: each of PyTorch's parallel
+    regions then waits for its threads to wake (a tiny int8 beam batch at 1.8x its time, docs/results.md).
+    """
+    loaded = sys.modules.get("ctranslate2")
+    if loaded is not None:
+        return loaded
+    flags = sys.getdlopenflags()
+    sys.setdlopenflags(flags | getattr(os, "RTLD_DEEPBIND", 0))  # its own libraries' symbols first
     try:
         import ctranslate2
     except ImportError:
         raise UserError(
             'CTranslate2 is not installed: pip install -e ".[export]" (or pip install ctranslate2)'
         ) from None
+    finally:
+        sys.setdlopenflags(flags)
     return ctranslate2
 
 
