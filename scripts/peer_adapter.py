@@ -17,7 +17,10 @@ The suite's systems are fixed by name, so `decode.quantize` reaches its
 `seq2seq` systems through the environment: `SEQ2SEQ_PEER_QUANTIZE=int8` makes
 `build_decode` decode as `seq2seq translate decode.quantize=int8` does (the
 same model, its decoder's linears in int8), to be read against the suite's
-`ct2-int8` in the same run.
+`ct2-int8` in the same run. The suite imports CTranslate2 plainly, which makes
+both engines share torch's OpenMP runtime and slows both;
+`scripts/bench/peer_own_openmp.py` runs a suite script with CTranslate2 loaded
+as seq2seq loads it (docs/results.md, "One OpenMP runtime for two engines").
 """
 
 from __future__ import annotations
