@@ -13,6 +13,8 @@ matmul), which the trainer asks for on CPU (`seq2seq.model.training_kernel`);
 also in the `auto` precision; `--compare compile` sets the eager model against
 `torch.compile(model, dynamic=True)` (batches differ in shape), and prints the
 compiled model's first update (the compilation) and its number of graphs;
+`--compare linear` sets float32 linears in MKL (PyTorch's default GEMM) against oneDNN's
+(`seq2seq.model.linear`, the path on AMD CPUs with AVX-512);
 `--compare batching` sets batches cut from pairs sorted by their longer side
 only against the trainer's, whose pairs of equal longer side are also sorted
 by target and source length (`seq2seq.text.corpus.bucket`): the same update on
@@ -68,7 +70,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import numpy as np
 import torch
@@ -77,12 +79,13 @@ from torch.nn.attention import SDPBackend
 from seq2seq.config import ExperimentConfig, load_config
 from seq2seq.device import resolve_precision
 from seq2seq.model import Kernels, training_kernel
+from seq2seq.model import linear as linear_module
 from seq2seq.text.corpus import Batch, bucket, collate_pairs, read_parallel
 from seq2seq.text.tokenizer import Tokenizer, train_tokenizer
 from seq2seq.training.assembly import TrainingRun, assemble
 from seq2seq.training.epochs import epoch_seed
 from seq2seq.training.trainer import Trainer
-from seq2seq.training.update import Launched, UpdateStep
+from seq2seq.training.update import Launched, UpdateStats, UpdateStep
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -125,6 +128,7 @@ class Setting(NamedTuple):
     kernel: Kernels | str = TRAINERS  # None: PyTorch's choice
     rdrop: float = 0.0  # optim.rdrop_alpha
     compiled: bool = False  # torch.compile the model
+    onednn: bool | None = None  # float32 linears through oneDNN (True), MKL (False), or the CPU's rule (None)
 
 
 SETTINGS: dict[str, dict[str, Setting]] = {
@@ -136,6 +140,7 @@ SETTINGS: dict[str, dict[str, Setting]] = {
     "gpu-precision": {"fp32": Setting("fp32"), "bf16": Setting("bf16")},
     "gpu-attention": {"trainer's": Setting("bf16"), "pytorch": Setting("bf16", None)},
     "trainer": {"update step": Setting(), "seq2seq train": Setting()},
+    "linear": {"mkl": Setting("fp32", onednn=False), "onednn": Setting("fp32", onednn=True)},
 }
 
 
@@ -236,7 +241,7 @@ def _bench(parts: TrainingRun, name: str, args: argparse.Namespace) -> None:
     n_params = sum(p.numel() for p in parts.model.parameters()) / 1e6
     mean_tokens = statistics.mean(b.n_tokens for b in batches_of[first])
     print(f"\n{name}: {n_params:.1f}M parameters, batches of {mean_tokens:.0f} target tokens on average")
-    updates = {s: _update_step(parts, settings[s]) for s in settings}
+    updates = {s: _with_linears(settings[s].onednn, _update_step(parts, settings[s])) for s in settings}
     steps = itertools.count(1)
     for s in settings:  # warm-up: kernel selection, allocator, compilation
         start = time.perf_counter()
@@ -450,6 +455,21 @@ def _rate(update: UpdateStep, parts: TrainingRun, steps: Iterator[int], batches:
         update([batch], step, parts.lr(step))
     synchronize()
     return sum(b.n_tokens for b in batches) / (time.perf_counter() - start)
+
+
+def _with_linears(onednn: bool | None, update: UpdateStep) -> UpdateStep:
+    """The update with float32 linears forced through oneDNN or MKL (`seq2seq.model.linear.USE_ONEDNN`)."""
+    if onednn is None:
+        return update
+
+    def run(batches: list[Batch], step: int, lr: float) -> UpdateStats | None:
+        saved, linear_module.USE_ONEDNN = linear_module.USE_ONEDNN, onednn
+        try:
+            return update(batches, step, lr)
+        finally:
+            linear_module.USE_ONEDNN = saved
+
+    return cast(UpdateStep, run)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from seq2seq.model.cache import LayerCache, SelfAttentionCache
+from seq2seq.model.linear import linear
 from seq2seq.model.long_attention import LongAttention
 from seq2seq.model.packed import plain_linear
 from seq2seq.model.plan import CPU_KERNEL
@@ -225,7 +226,10 @@ class MultiHeadAttention(nn.Module):
         self, x: Tensor, packing: Packing | None = None, cache: SelfAttentionCache | None = None
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Queries, keys and values of `x` (B, L, D), or of its real positions (n, D), each (B, H, L, Dh)."""
-        qkv = (self.in_proj if cache is None else cache.plan.linear(self.in_proj))(x)
+        if cache is None:
+            qkv = linear(x, self.in_proj.weight, self.in_proj.bias)
+        else:
+            qkv = cache.plan.linear(self.in_proj)(x)
         q, k, v = (qkv if packing is None else packing.unpack(qkv)).chunk(3, dim=-1)
         return self.split_heads(q), self.split_heads(k), self.split_heads(v)
 
@@ -239,7 +243,7 @@ class MultiHeadAttention(nn.Module):
 
     def project_memory(self, memory: Tensor) -> tuple[Tensor, Tensor]:
         """Keys and values of the encoder output (B, S, D), each (B, H, S, Dh)."""
-        k, v = F.linear(memory, *self.memory_weights()).chunk(2, dim=-1)
+        k, v = linear(memory, *self.memory_weights()).chunk(2, dim=-1)
         return self.split_heads(k), self.split_heads(v)
 
     def merge_heads(
@@ -247,9 +251,10 @@ class MultiHeadAttention(nn.Module):
     ) -> Tensor:
         """(B, H, T, Dh) -> W_O applied to the concatenated heads, (B, T, D), or (n, D) at the packed positions;
         in a decoding step, W_O as the session's plan runs it."""
-        heads = concat_heads(out)
-        out_proj = self.out_proj if cache is None else cache.plan.linear(self.out_proj)
-        return out_proj(heads if packing is None else packing.pack(heads))
+        heads = concat_heads(out) if packing is None else packing.pack(concat_heads(out))
+        if cache is None:
+            return linear(heads, self.out_proj.weight, self.out_proj.bias)
+        return cache.plan.linear(self.out_proj)(heads)
 
     def scores(self, q: Tensor, k: Tensor, q_start: int, k_start: int = 0) -> Tensor:
         """Pre-softmax scores (B, H, Lq, Lk) of queries at q_start.. against keys at k_start.. (queries and keys

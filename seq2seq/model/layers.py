@@ -19,6 +19,7 @@ from seq2seq.config import TransformerConfig
 from seq2seq.model.attention import MultiHeadAttention, Packing
 from seq2seq.model.cache import LayerCache
 from seq2seq.model.dropout import Dropout, add_dropout
+from seq2seq.model.linear import linear
 from seq2seq.model.long_attention import long_attention
 
 
@@ -56,7 +57,11 @@ class FeedForward(nn.Module):
         self.dropout = Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.fc2(self.dropout(self.activation(self.fc1(x))))
+        if self.activation is F.relu:
+            hidden = linear(x, self.fc1.weight, self.fc1.bias, relu=True)
+        else:
+            hidden = self.activation(linear(x, self.fc1.weight, self.fc1.bias))
+        return linear(self.dropout(hidden), self.fc2.weight, self.fc2.bias)
 
 
 class Residual(nn.Module):

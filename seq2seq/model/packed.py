@@ -22,8 +22,9 @@ import os
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
+
+from seq2seq.model.linear import linear
 
 Linear = Callable[[Tensor], Tensor]
 """x (..., in) -> (..., out)."""
@@ -32,8 +33,9 @@ ROWS_HINT = 64  # the row count oneDNN picks the weight layout for; any row coun
 
 
 def plain_linear(weight: Tensor, bias: Tensor | None) -> Linear:
-    """`F.linear` with this weight (out, in) and bias: for a projection that is a slice of a module's weight."""
-    return functools.partial(F.linear, weight=weight, bias=bias)
+    """`F.linear` with this weight (out, in) and bias, for a projection that is a slice of a module's weight: as
+    `seq2seq.model.linear.linear` runs it (through oneDNN on CPUs where that pays)."""
+    return functools.partial(linear, weight=weight, bias=bias)
 
 
 def packed_linear(weight: Tensor, bias: Tensor | None, relu: bool = False) -> Linear:

@@ -24,6 +24,7 @@ from seq2seq.model.cache import DecoderCache, LayerCache
 from seq2seq.model.embedding import Embedding, output_layer, token_embeddings
 from seq2seq.model.embedding import sinusoidal_table as sinusoidal_table  # tests import it from here
 from seq2seq.model.layers import DecoderLayer, EncoderLayer, FeedForward, LayerOptions
+from seq2seq.model.linear import linear
 from seq2seq.model.packed import (
     Linear,
     ParameterKey,
@@ -119,7 +120,7 @@ class Decoder(nn.Module):
         if cache is None:
             if select is not None:
                 x = x[select]  # (N, D): project only the positions that are scored
-            return self.output(x), weights  # (B, T, V) or (N, V)
+            return linear(x, self.output.weight, self.output.bias), weights  # (B, T, V) or (N, V)
         cache.step += tgt_in.shape[1]
         logits = cache.plan.linear(self.output)(cache.searched(x[:, -1]))  # (N, V)
         return logits, [cache.searched(w) for w in weights]
@@ -152,8 +153,8 @@ class Decoder(nn.Module):
 
         packed: dict[nn.Module, Linear] = {self.output: pack(self.output)}
         for layer in self.decoder_layers():
-            for linear in (layer.self_attn.in_proj, layer.self_attn.out_proj, layer.cross_attn.out_proj):
-                packed[linear] = pack(linear)
+            for module in (layer.self_attn.in_proj, layer.self_attn.out_proj, layer.cross_attn.out_proj):
+                packed[module] = pack(module)
             packed[layer.cross_attn] = make(*layer.cross_attn.query_weights(), False)
             packed[layer.ffn] = ffn(layer.ffn)
         return packed
@@ -323,7 +324,7 @@ class Seq2SeqTransformer(nn.Module):
         plan = self.plan.session(memory)
         packing = Packing.of(src_pad_mask)  # project the real positions only
         real = memory if packing is None else packing.pack(memory)
-        kv = F.linear(real, *plan.cross_kv)  # (B, S, L * 2D) or (n, L * 2D)
+        kv = linear(real, *plan.cross_kv)  # (B, S, L * 2D) or (n, L * 2D)
         kv = kv if packing is None else packing.unpack(kv)
         B, S, _ = memory.shape
         L, H = len(self.decoder.layers), self.decoder.cross_attentions()[0].n_heads
