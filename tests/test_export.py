@@ -175,11 +175,10 @@ def test_every_variant_round_trips(
     """The same best hypothesis with the same token log-probabilities.
 
     Beam search stops a sentence only when no live hypothesis can beat its K-th best finished one
-    (seq2seq.decoding.search.still_searching), so it returns the best its beam can find; CTranslate2, given the
-    same beam, returned the same best on every sentence of every variant (before that rule, on 1 of 40
-    for post-rope-rmsnorm-gelu, where the search had stopped once K hypotheses had finished). The
-    runners-up may still differ (CTranslate2 stops by a rule of its own), so only they are let go; both
-    engines' hypotheses must still score alike under our model.
+    (seq2seq.decoding.search.still_searching), so it returns the best its beam can find; CTranslate2 stops
+    once K hypotheses have finished, which can miss it, so for `decode.beam_stop: exact` its beam runs on to
+    the length limit (`beam_patience`) and finds the same best. The runners-up may still differ, so only
+    they are let go; both engines' hypotheses must still score alike under our model.
     """
     checkpoint, exported = variants[variant]
     settings = {"strategy": strategy, "beam_size": 3, "nbest": 2 if strategy == "beam" else 1, "length_penalty": 0.0}
@@ -354,3 +353,13 @@ def test_ctranslate2_keeps_its_own_openmp_runtime_beside_torch() -> None:
     bindings = [line for line in done.stderr.splitlines() if "libctranslate2" in line and "GOMP_parallel" in line]
     assert bindings, "no binding of CTranslate2's GOMP_parallel was logged"
     assert all("ctranslate2.libs/libgomp" in line for line in bindings), bindings
+
+
+def test_the_beam_stopping_rule_reaches_ctranslate2_as_its_patience() -> None:
+    from seq2seq.config import DecodeConfig
+    from seq2seq.deploy.exported import beam_patience
+
+    assert beam_patience(DecodeConfig(strategy="beam", beam_stop="first_k"), 40) == 1.0  # its own rule
+    assert beam_patience(DecodeConfig(strategy="greedy"), 40) == 1.0
+    exact = beam_patience(DecodeConfig(strategy="beam", beam_size=4), 40)  # never K * patience finished sooner
+    assert exact * 4 > 2 * 4 * 40

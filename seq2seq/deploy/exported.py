@@ -7,6 +7,8 @@ settings map onto its options:
 
     strategy, beam_size, nbest      beam_size and num_hypotheses; beam search returns its whole beam,
                                     re-ranked with GNMT's length penalty, then cut to nbest
+    beam_stop                       patience: first_k is CTranslate2's own rule (1); exact runs its beam
+                                    on to the length limit (`beam_patience`), which finds the same best
     max_len_a, max_len_b, max_len   max_decoding_length, per group of sentences with the same limit
     min_len                         min_decoding_length
     no_repeat_ngram                 no_repeat_ngram_size
@@ -219,7 +221,12 @@ class CTranslate2Translator(TextTranslator):
         for limit, rows in groups.items():
             prefix = [self.tokenizer.tgt_pieces(prefixes[i]) or None for i in rows] if prefixes else None
             results = self.engine.translate_batch(
-                [src[i] for i in rows], prefix, max_decoding_length=limit, return_scores=True, **options
+                [src[i] for i in rows],
+                prefix,
+                max_decoding_length=limit,
+                patience=beam_patience(cfg, limit),
+                return_scores=True,
+                **options,
             )
             for i, result in zip(rows, results):
                 for pieces, score in zip(result.hypotheses, result.scores):
@@ -235,6 +242,15 @@ class CTranslate2Translator(TextTranslator):
             hypotheses(found[i], scores[i], [logprobs.get((i, k)) for k in range(len(found[i]))], cfg, self.tokenizer)
             for i in range(len(sources))
         ]
+
+
+def beam_patience(cfg: DecodeConfig, limit: int) -> float:
+    """CTranslate2's beam `patience` for `decode.beam_stop`: its search stops once beam_size * patience
+    hypotheses have finished. `first_k` is its own rule (patience 1). `exact` cannot be said to it as a
+    bound, so its beam runs on to the length limit `limit` (no more than 2 * beam_size hypotheses
+    finish a step, so it never collects that many sooner): the same best list as the PyTorch path's
+    exact rule, which stops as soon as that list can no longer change, at the cost of the steps after."""
+    return 1.0 if cfg.strategy != "beam" or cfg.beam_stop == "first_k" else 2.0 * (limit + 1)
 
 
 def engine_options(cfg: DecodeConfig, tokenizer: Tokenizer) -> dict[str, Any]:
