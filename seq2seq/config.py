@@ -733,7 +733,8 @@ class DecodeConfig(Section):
         "exact",
         "when beam search stops a sentence: `exact` once none of its live hypotheses can beat its K-th best "
         "finished one (the best the beam can find; under a length penalty that grows with length it searches "
-        "longer), `first_k` once K have finished (fairseq's rule: faster, can miss a longer, better hypothesis)",
+        "longer), `first_k` once K have finished (fairseq's and CTranslate2's rule: faster, can miss a longer, "
+        "better hypothesis); an exported model's beam runs on to the length limit for `exact`",
     )
     max_len_a: float = setting(
         1.5,
