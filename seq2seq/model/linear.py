@@ -38,13 +38,19 @@ def onednn_pays() -> bool:
         return False
     if os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper() in _ONEDNN_BELOW_AVX512:
         return False
+    fields = cpu_fields()
+    return "AuthenticAMD" in fields and "avx512f" in fields
+
+
+@functools.cache
+def cpu_fields() -> frozenset[str]:
+    """The first CPU's vendor and flags as /proc/cpuinfo lists them (empty where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             lines = [line for line in f if line.startswith(("vendor_id", "flags"))][:2]
     except OSError:
-        return False
-    fields = " ".join(lines).split()
-    return "AuthenticAMD" in fields and "avx512f" in fields
+        return frozenset()
+    return frozenset(" ".join(lines).split())
 
 
 def uses_onednn(x: Tensor) -> bool:

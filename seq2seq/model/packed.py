@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from seq2seq.model.linear import linear
+from seq2seq.model.linear import cpu_fields, linear
 
 Linear = Callable[[Tensor], Tensor]
 """x (..., in) -> (..., out)."""
@@ -91,12 +91,7 @@ def has_vnni() -> bool:
     """
     if os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper() in _ONEDNN_WITHOUT_VNNI:
         return False
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return any(flag in flags for flag in ("avx512_vnni", "avx_vnni", "amx_int8"))
+    return any(flag in cpu_fields() for flag in ("avx512_vnni", "avx_vnni", "amx_int8"))
 
 
 _ONEDNN_WITHOUT_VNNI = frozenset({"SSE41", "AVX", "AVX2", "AVX512_CORE"})  # oneDNN's instruction sets below VNNI
