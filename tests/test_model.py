@@ -403,6 +403,39 @@ def test_cache_follows_beams_and_dropped_rows(name: str, device: torch.device) -
         torch.testing.assert_close(logits, expected[row, t], **CLOSE)
 
 
+@pytest.mark.parametrize("name", ["post", "rope", "relative", "t5_bias"])
+@torch.no_grad()
+def test_beam_reorders_move_no_keys_and_every_step_still_equals_the_full_pass(name: str) -> None:
+    """Beam search reorders hypotheses within a sentence at every step, a parent often keeping two children
+    and losing another: the cache follows each row's ancestry instead of copying keys (the buffer is not
+    replaced or moved), and every step's logits still equal the full forward pass of the hypotheses held."""
+    model = tiny_model(**variant(name)).eval()
+    K, length = 3, 9
+    g = torch.Generator().manual_seed(11)
+    tgt = torch.randint(EOS + 1, VOCAB, (3 * K, length), generator=g)
+    tgt[:, 0] = BOS
+    src, mask = source_batch()
+    sentence = torch.arange(3).repeat_interleave(K)
+    session = model.start(src, mask)
+    session.select(sentence)
+    assert isinstance(session, TransformerSession)
+    cache = session.cache
+    buffer = None
+    for t in range(length):
+        if t >= 2:
+            parents = (torch.arange(3)[:, None] * K + torch.randint(0, K, (3, K), generator=g)).flatten()
+            session.reorder(parents)
+            # a row now continues its parent's hypothesis: the parent's tokens so far, then its own
+            tgt = torch.cat([tgt[parents, :t], tgt[:, t:]], dim=1)
+        logits = session.step(tgt[:, t : t + 1])
+        expected = model(src[sentence], mask[sentence], tgt[:, : t + 1])[:, t]
+        torch.testing.assert_close(logits, expected, **CLOSE)
+        if t == 1:
+            buffer = cache.self_kv
+    if name != "relative":  # relative positions read keys row by row: their rows are copied, not followed
+        assert cache.self_kv is buffer and cache.ancestry is not None
+
+
 def test_decoding_follows_the_weights_after_training_updates() -> None:
     """Decoding keeps prepacked copies of the decoder's weights; an update (a fused optimizer's too, which does
     not bump the parameters' versions) must not leave it decoding with the old ones."""

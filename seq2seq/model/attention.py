@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from seq2seq.model.cache import LayerCache, SelfAttentionCache
+from seq2seq.model.cache import LayerCache, SelfAttentionCache, StepKeys
 from seq2seq.model.linear import linear
 from seq2seq.model.long_attention import LongAttention
 from seq2seq.model.packed import plain_linear
@@ -170,6 +170,8 @@ class MultiHeadAttention(nn.Module):
         q, k, v = self.project_self(x, packing, cache)
         if self.rotary is not None:
             q, k = self.rotary(q, start), self.rotary(k, start)
+        if isinstance(cache, LayerCache) and self.relative is None:  # a Transformer's decoding step
+            return self.merge_heads(grouped_step_attention(q, cache.extend(k, v), cache.plan.kernel, mask), cache=cache)
         if cache is not None:
             k, v = cache.append(k, v)  # (N, H, start + T, Dh): the cached keys/values and this step's
         dropout = self.dropout if self.training else 0.0
@@ -323,6 +325,32 @@ def step_attention(
     if kernel == CPU_KERNEL:
         return decode_attention(q, k, v, None if bias is None else bias(q))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def grouped_step_attention(q: Tensor, step: StepKeys, kernel: str, mask: Tensor | None = None) -> Tensor:
+    """A decoding step's self-attention heads (P, H, T, Dh) over keys grouped by source (`StepKeys`): the
+    `group` rows of a source attend to its keys as one matrix of group * T queries, each seeing its own
+    hypothesis's keys only (`step.bias`), with the kernel of the session's plan.
+
+    q: (P, H, T, Dh), rows of a source contiguous; mask: None, or an additive (1, H, T, Lk) bias that is the
+    same for every row (`positions: t5_bias`, with its causal part).
+    """
+    P, H, T, Dh = q.shape
+    K = step.group
+    G = P // K
+    queries = q.view(G, K, H, T, Dh).transpose(1, 2).reshape(G, H, K * T, Dh)
+    bias = step.bias  # (G, 1, K * T, Lk * K) or None
+    if mask is not None:
+        assert mask.is_floating_point() and mask.shape[0] == 1
+        Lk = mask.shape[-1]
+        spread = mask.to(q.dtype)[:, :, None, :, :, None].expand(1, H, K, T, Lk, K).reshape(1, H, K * T, Lk * K)
+        bias = spread if bias is None else bias + spread
+    if kernel == CPU_KERNEL:
+        flat = None if bias is None else bias.expand(G, H, -1, -1).reshape(G * H, K * T, -1)
+        heads = decode_attention(queries, step.keys, step.values, flat)
+    else:
+        heads = F.scaled_dot_product_attention(queries, step.keys, step.values, attn_mask=bias)
+    return heads.view(G, H, K, T, Dh).transpose(1, 2).reshape(P, H, T, Dh)
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None = None) -> Tensor:

@@ -14,6 +14,7 @@ data.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -32,6 +33,23 @@ class SelfAttentionCache(Protocol):
     @property
     def length(self) -> int: ...
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
+
+
+@dataclass(frozen=True)
+class StepKeys:
+    """A decoding step's self-attention keys and values, grouped by source sentence (`LayerCache.extend`).
+
+    The `group` rows of one source (a sentence's beam) attend to the keys of all its rows together: `keys`
+    and `values` (G, H, Lk * group, Dh) hold position 0 of each of its rows, then position 1 of each, and
+    so on; `bias` (G, 1, group * T, Lk * group), additive, lets the step's query row j (position t) see
+    only the keys its own hypothesis wrote (its ancestors' rows, `DecoderCache.ancestry`) up to position t,
+    and is None where that is every key (one row per source, one position per step).
+    """
+
+    keys: Tensor
+    values: Tensor
+    group: int
+    bias: Tensor | None
 
 
 class LayerCache:
@@ -76,30 +94,56 @@ class LayerCache:
         """`cross_mask` as an additive bias (G * H, 1, S); see `DecoderCache.cross_bias`."""
         return self.cache.cross_bias(like)
 
+    def extend(self, k: Tensor, v: Tensor) -> StepKeys:
+        """Write this step's keys/values (P, H, T, Dh), row r at its own slot, after the cached ones; return all
+        of them so far, grouped by source (`StepKeys`): a view of the buffer, nothing copied."""
+        P, H, T, Dh = k.shape
+        start, end, K = self.cache.step, self.cache.step + T, self.cache.group
+        layer = self.cache.reserve(k, end)[self.index]  # (2, G, H, capacity, K, Dh)
+        G = P // K
+        layer[0, :, :, start:end] = k.view(G, K, H, T, Dh).permute(0, 2, 3, 1, 4)
+        layer[1, :, :, start:end] = v.view(G, K, H, T, Dh).permute(0, 2, 3, 1, 4)
+        keys = layer[0, :, :, :end].reshape(G, H, end * K, Dh)
+        values = layer[1, :, :, :end].reshape(G, H, end * K, Dh)
+        return StepKeys(keys, values, K, self.cache.self_bias(T, k))
+
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write this step's keys/values (N, H, T, Dh) after the cached ones; return all of them so far."""
-        start, end = self.cache.step, self.cache.step + k.shape[2]
-        layer = self.cache.reserve(k, end)[self.index]  # (2, N, H, capacity, Dh)
-        layer[0, :, :, start:end] = k
-        layer[1, :, :, start:end] = v
-        return layer[0, :, :, :end], layer[1, :, :, :end]  # (N, H, end, Dh) each
+        """Write this step's keys/values (P, H, T, Dh) after the cached ones; return all of them so far, row by
+        row (P, H, end, Dh): copies, for attention that needs each row's keys by position (relative positions)."""
+        self.cache.settle()
+        grouped = self.extend(k, v)
+        P, H, T, Dh = k.shape
+        K, end = grouped.group, self.cache.step + T
+        G = P // K
+
+        def rows(x: Tensor) -> Tensor:
+            return x.view(G, H, end, K, Dh).permute(0, 3, 1, 2, 4).reshape(P, H, end, Dh)
+
+        return rows(grouped.keys), rows(grouped.values)
 
 
 class DecoderCache:
     """A Transformer decoding session's data: its `plan` (how its steps run, fixed when it starts) and, apart
     from it, the data its steps read and extend, as visible values.
 
-    Each kind of key/value lives in one tensor for all L layers, so that beam
-    reordering and dropping finished sentences copy once, not once per layer:
+    Each kind of key/value lives in one tensor for all L layers, so that
+    dropping finished sentences copies once, not once per layer:
     - `cross` (L, 2, G, H, S, Dh): the encoder output's keys and values, once
       per source sentence: rows r*group .. r*group+group-1 (P = G * group) all
       translate source r, so a beam of K hypotheses reads one copy, not K;
-    - `self_kv` (L, 2, P, H, capacity, Dh): the decoded positions' keys and
-      values, 0 .. step-1 valid. It is preallocated and written in place, its
-      capacity (at first the source length + `CHUNK`) growing by `CHUNK` positions when
-      full: a concatenation per step would copy the whole cache at every
-      step. Reordering copies, in place, the valid positions of the rows whose
-      hypothesis changed (`_move`).
+    - `self_kv` (L, 2, G, H, capacity, group, Dh): the decoded positions' keys
+      and values, 0 .. step-1 valid, position-major within a source, so that a
+      source's rows attend to all of its keys in one matmul (`StepKeys`). It is
+      preallocated and written in place, its capacity (at first the source
+      length + `CHUNK`) growing by `CHUNK` positions when full: a
+      concatenation per step would copy the whole cache at every step.
+
+    Beam search reorders hypotheses within a sentence at every step; nothing is
+    copied for it: a row writes its keys in its own slot, and `ancestry`
+    (G, group, n) says, for each row and position, whose slot holds its
+    hypothesis's keys (positions from n on: its own). A step's attention masks
+    the others out (`self_bias`). Copies happen only when rows are selected
+    (`select`: expanding to a beam, dropping sentences).
 
     Rows that search drops (finished sentences) are not always copied away:
     while most rows are alive, `rows` maps the N rows search sees to the P
@@ -118,8 +162,9 @@ class DecoderCache:
         self.group = 1  # rows per source sentence
         self.step = 0  # position of the next token
         self.rows: Tensor | None = None  # (N,) the stored row of each row search sees; None: the same
-        self.self_kv: Tensor | None = None  # (L, 2, P, H, capacity, Dh): the first P rows of _buffer
-        self._buffer: Tensor | None = None
+        self.self_kv: Tensor | None = None  # (L, 2, G, H, capacity, group, Dh)
+        self.ancestry: Tensor | None = None  # (G, group, n) slot of each row's keys per position; None: its own
+        self._self_bias: tuple[tuple[int, int, torch.dtype], Tensor | None] | None = None
         self._cross_bias: Tensor | None = None
         self.layers = [LayerCache(self, i) for i in range(cross.shape[0])]
 
@@ -153,22 +198,62 @@ class DecoderCache:
         # At first the source length and a chunk more: most translations fit, and the cache never grows.
         wanted = end if kv is not None else max(end, self.cross.shape[4] + self.CHUNK)
         capacity = -(-wanted // self.CHUNK) * self.CHUNK  # rounded up to whole chunks
-        grown = like.new_empty(len(self.layers), 2, P, H, capacity, Dh)
+        grown = like.new_empty(len(self.layers), 2, P // self.group, H, capacity, self.group, Dh)
         if kv is not None:
             grown[:, :, :, :, : self.step] = kv[:, :, :, :, : self.step]
-        self.self_kv, self._buffer = grown, grown
+        self.self_kv = grown
         return grown
 
-    def reorder(self, index: Tensor) -> None:
-        """Reorder hypotheses *within* each sentence (beam search).
+    def full_ancestry(self, end: int) -> Tensor:
+        """(G, group, end): the slot holding each row's keys at positions 0 .. end-1 (its own from n on)."""
+        G, K = self.cross_mask.shape[0], self.group
+        own = torch.arange(K, device=self.cross_mask.device)
+        known = self.ancestry if self.ancestry is not None else own.new_empty(G, K, 0)
+        later = own[None, :, None].expand(G, K, end - known.shape[2])
+        return torch.cat([known[:, :, :end], later], dim=2) if later.shape[2] else known[:, :, :end]
 
-        Only the self-attention keys/values move: the cross-attention ones are the
-        same for every hypothesis of a sentence.
+    def self_bias(self, T: int, like: Tensor) -> Tensor | None:
+        """The step's additive self-attention bias (G, 1, group * T, end * group) for `StepKeys`: query row j at
+        position step + t sees key slot r at position s only when s <= step + t and r holds its hypothesis's
+        key there (`ancestry`); None when every key may be seen (a row per source, one position). Made once
+        per step, for every layer."""
+        K = self.group
+        if K == 1 and T == 1:
+            return None
+        key = (self.step, T, like.dtype)
+        if self._self_bias is not None and self._self_bias[0] == key:
+            return self._self_bias[1]
+        end = self.step + T
+        slots = torch.arange(K, device=like.device)
+        sees = self.full_ancestry(end)[:, :, None, :, None] == slots  # (G, K, 1, end, K)
+        if T > 1:  # several new positions: none may see those after it
+            later = torch.arange(end, device=like.device) > torch.arange(self.step, end, device=like.device)[:, None]
+            sees = sees & ~later[None, None, :, :, None]  # (G, K, T, end, K)
+        G = sees.shape[0]
+        shape = (G, K * T, end * K)
+        bias = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        bias.masked_fill_(~sees.expand(G, K, T, end, K).reshape(shape), float("-inf"))
+        self._self_bias = (key, bias[:, None])
+        return bias[:, None]
+
+    def reorder(self, index: Tensor) -> None:
+        """Reorder hypotheses *within* each sentence (beam search): rows (P,) of the stored rows.
+
+        Nothing moves: each row's `ancestry` follows its new hypothesis's.
         """
-        if self.rows is not None:  # rows were dropped since the last copy: copy all at once
+        K, P = self.group, self.stored_rows
+        within = index.shape[0] == P and torch.equal(
+            torch.div(index, K, rounding_mode="floor"), torch.arange(P, device=index.device) // K
+        )
+        if self.rows is not None or not within:  # rows were dropped since the last copy, or not a beam's
             self.select(index)
-        else:
-            self._move(index)
+            return
+        if K == 1:
+            return
+        G, step = P // K, self.step
+        parent = (index % K).view(G, K, 1).expand(G, K, step)
+        self.ancestry = self.full_ancestry(step).gather(1, parent)
+        self._self_bias = None
 
     def select(self, index: Tensor) -> None:
         """Keep (or repeat) whole rows, cross-attention included: for dropping
@@ -178,14 +263,20 @@ class DecoderCache:
             self.rows = rows
             return
         self.rows = None
-        self._move(rows)
-        sources, self.group = source_groups(torch.div(rows, self.group, rounding_mode="floor"))
+        sources, group = source_groups(torch.div(rows, self.group, rounding_mode="floor"))
+        self._copy(rows, group)
+        self.group = group
         if not torch.equal(sources, torch.arange(self.cross.shape[2], device=sources.device)):
             self.cross = self.cross.index_select(2, sources)
             self.cross_mask = self.cross_mask.index_select(0, sources)
             self._cross_bias = None
         for layer in self.layers:
             layer.cross_k, layer.cross_v = self.cross[layer.index, 0], self.cross[layer.index, 1]
+
+    def settle(self) -> None:
+        """Copy every row's keys/values into its own slot, so that `ancestry` is its own again."""
+        if self.ancestry is not None:
+            self._copy(torch.arange(self.stored_rows, device=self.ancestry.device), self.group)
 
     def _may_skip(self, rows: Tensor) -> bool:
         """Whether `rows` (stored rows to keep) can stay a map: each row once, in order, and most of them."""
@@ -194,24 +285,23 @@ class DecoderCache:
             return False
         return bool((rows[1:] > rows[:-1]).all())
 
-    def _move(self, index: Tensor) -> None:
-        """Stored self-attention rows <- their rows `index`, in place: only the rows whose content changes
-        are copied (in a beam, most hypotheses extend their own row), and no second buffer is kept."""
-        if self.self_kv is None or self._buffer is None:
+    def _copy(self, rows: Tensor, group: int) -> None:
+        """A new buffer whose row i (of N, `group` per source) holds stored row rows[i]'s hypothesis, each of its
+        positions gathered from the slot its ancestry names."""
+        kv, ancestry = self.self_kv, self.full_ancestry(self.step)
+        self.ancestry, self._self_bias = None, None
+        if kv is None:
             return
-        n, (L, _, rows, H, capacity, Dh) = index.shape[0], self._buffer.shape
-        valid = self._buffer[:, :, :, :, : self.step]
-        if n > rows:  # more rows than ever before: a larger buffer
-            grown = self._buffer.new_empty(L, 2, n, H, capacity, Dh)
-            torch.index_select(valid, 2, index, out=grown[:, :, :, :, : self.step])
-            self._buffer = grown
-        else:
-            moved = (index != torch.arange(n, device=index.device)).nonzero().squeeze(1)
-            if moved.numel():
-                sources = index[moved]
-                for part in valid.view(-1, *valid.shape[2:]):  # (rows, H, step, Dh) per layer and K/V: whole rows
-                    part.index_copy_(0, moved, part.index_select(0, sources))  # gathered before any is written
-        self.self_kv = self._buffer[:, :, :n]
+        L, _, _, H, capacity, K, Dh = kv.shape
+        n, step = rows.shape[0], self.step
+        copied = kv.new_empty(L, 2, n // group, H, capacity, group, Dh)
+        if step:
+            source = torch.div(rows, K, rounding_mode="floor")[:, None]  # (N, 1)
+            slot = ancestry[source[:, 0], rows % K]  # (N, step)
+            positions = torch.arange(step, device=rows.device)[None, :]
+            gathered = kv[:, :, source, :, positions, slot]  # (N, step, L, 2, H, Dh)
+            copied[:, :, :, :, :step] = gathered.view(n // group, group, step, L, 2, H, Dh).permute(3, 4, 0, 5, 2, 1, 6)
+        self.self_kv = copied
 
     def cross_bias(self, like: Tensor) -> Tensor:
         """cross_mask as an additive bias (G * H, 1, S): 0 where attention is allowed, -inf at padding.
