@@ -21,6 +21,7 @@ from seq2seq.config import DecodeConfig
 from seq2seq.decoding import search as search_module
 from seq2seq.decoding.search import (
     NEG_INF,
+    argmax_rows,
     beam_search,
     beam_step,
     block_repeated_ngrams,
@@ -346,6 +347,23 @@ def test_top_k_rows_equals_a_full_top_k(V: int, k: int) -> None:
     assert torch.equal(x.gather(1, indices), values)  # the indices point at the values (ties may pick others)
     finite = torch.isfinite(expected_values)
     assert torch.equal(indices[finite], expected_indices[finite])  # no ties among these finite values
+
+
+@pytest.mark.parametrize("V", [100, 1000, 8000, 8003])
+def test_argmax_rows_is_argmax_ties_included(V: int) -> None:
+    """The first index of a row's maximum, as torch.argmax: ties in one block, across blocks, with the
+    columns after the last whole block, rows with nothing allowed."""
+    generator = torch.Generator().manual_seed(V)
+    x = torch.randn(41, V, generator=generator)
+    x[0] = NEG_INF
+    x[1, [7, V // 2, V - 1]] = 9.0  # a tie across blocks (and the last column)
+    x[2, [300 % V, 301 % V]] = 9.0  # a tie inside one block
+    x[3, -2:] = 9.0  # the best in the columns after the last whole block
+    x[4, [V // 3, V - 1]] = 9.0  # a tie between a block and those columns: the block's comes first
+    x[5] = 1.0  # one value everywhere
+    x[6:10] = torch.randint(-2, 3, (4, V), generator=generator).float()  # many ties
+    assert torch.equal(argmax_rows(x), x.argmax(dim=1))
+    assert torch.equal(argmax_rows(x[:, : V - 1]), x[:, : V - 1].argmax(dim=1))  # a strided view
 
 
 def test_next_logprobs_normalises_the_logits_in_place() -> None:

@@ -163,6 +163,31 @@ def top_k_rows(x: Tensor, k: int, block: int = 128) -> tuple[Tensor, Tensor]:
     return values, torch.where(in_block < k, from_blocks, where - k * block + tail)
 
 
+def argmax_rows(x: Tensor, block: int = 128) -> Tensor:
+    """`x.argmax(dim=1)` for (N, V) rows: the first index of each row's maximum.
+
+    On the CPU it looks inside one block of `block` columns per row, the first whose maximum is the row's
+    (found by one `amax` over all blocks), and at the columns after the last whole block: PyTorch's argmax
+    over a whole row of 8,000 columns costs about three times that.
+    """
+    N, V = x.shape
+    n_blocks = V // block
+    if x.device.type != "cpu" or n_blocks < 4 or x.stride(1) != 1:
+        return x.argmax(dim=1)
+    blocks = x.as_strided((N, n_blocks, block), (x.stride(0), block, 1))  # (N, n_blocks, block), a view
+    maxima = blocks.amax(dim=2)  # (N, n_blocks)
+    first = maxima.argmax(dim=1)  # (N,) the first block holding the row's largest value
+    rows = torch.arange(N, device=x.device)
+    best = first * block + blocks[rows, first].argmax(dim=1)
+    tail = n_blocks * block
+    if tail == V:
+        return best
+    rest = x[:, tail:]  # after every block: its maximum wins only when strictly larger
+    rest_best = rest.argmax(dim=1)
+    larger = rest[rows, rest_best] > maxima[rows, first]
+    return torch.where(larger, rest_best + tail, best)
+
+
 def forced_tokens(prefix: Tensor | None, step: int, sentence: Tensor) -> Tensor | None:
     """The prefix token each row must take at `step` (PAD: none), or None when no row has one.
 
@@ -194,7 +219,7 @@ Picker = Callable[[Tensor, Tensor, int], Tensor]
 
 
 def pick_greedy(logprobs: Tensor, sentence: Tensor, step: int) -> Tensor:
-    return logprobs.argmax(dim=-1)  # (N,)
+    return argmax_rows(logprobs)  # (N,)
 
 
 def restrict(scores: Tensor, top_k: int, top_p: float) -> Tensor:
