@@ -349,6 +349,27 @@ def test_top_k_rows_equals_a_full_top_k(V: int, k: int) -> None:
     assert torch.equal(indices[finite], expected_indices[finite])  # no ties among these finite values
 
 
+@pytest.mark.parametrize("V", [1000, 8000, 8003])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_top_k_rows_of_groups_with_offsets_equals_a_top_k_of_their_sums(V: int, rows: int) -> None:
+    """A beam step's selection: the 2K best of each sentence's rows plus their scores (-inf for an empty slot),
+    equal to a top-k over the formed (B, rows * V) table."""
+    generator = torch.Generator().manual_seed(V * rows)
+    x = torch.randn(6 * rows, V, generator=generator).log_softmax(dim=1)
+    offset = -torch.rand(6 * rows, generator=generator) * 5
+    offset[1] = NEG_INF  # an empty slot
+    x[2, -3:] = torch.tensor([3.0, 3.1, 3.2])  # the best entries of a row in the columns after the last whole block
+    x[rows, :] = NEG_INF  # a row with nothing allowed
+    k = min(10, rows * V)
+    values, indices = top_k_rows(x, k, offset, rows)
+    table = (x + offset[:, None]).view(6, rows * V)
+    expected_values, expected_indices = table.topk(k, dim=1)
+    assert torch.equal(values, expected_values)
+    assert torch.equal(table.gather(1, indices), values)
+    finite = torch.isfinite(expected_values)
+    assert torch.equal(indices[finite], expected_indices[finite])
+
+
 @pytest.mark.parametrize("V", [100, 1000, 8000, 8003])
 def test_argmax_rows_is_argmax_ties_included(V: int) -> None:
     """The first index of a row's maximum, as torch.argmax: ties in one block, across blocks, with the

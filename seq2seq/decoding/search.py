@@ -139,28 +139,48 @@ def next_logprobs(
     return logprobs
 
 
-def top_k_rows(x: Tensor, k: int, block: int = 128) -> tuple[Tensor, Tensor]:
-    """`x.topk(k, dim=1)` for (N, V) rows, best first: the same values, the same indices but among ties.
+def top_k_rows(
+    x: Tensor, k: int, offset: Tensor | None = None, rows: int = 1, block: int = 128
+) -> tuple[Tensor, Tensor]:
+    """The k best of each group of `rows` consecutive rows of x (N, V), each row plus its `offset` (N,): the
+    values and indices of `(x + offset[:, None]).view(N // rows, rows * V).topk(k, dim=1)`, best first (the
+    same values, the same indices but among ties), without forming that sum.
 
-    On the CPU, with V much larger than k, it looks at the k blocks of `block` columns with the largest
-    maxima (and the columns after the last whole block) instead of whole rows: a row's k best entries lie
-    there, since each block holding one has a maximum at least as large, and fewer than k other blocks can
-    have a larger one. A beam step's (B * K, V) scores cost about half a full row-wise top-k this way.
+    On the CPU, with V much larger than k, it looks at the k blocks of `block` columns of a group with the
+    largest maxima (plus their row's offset), and at the columns after the last whole block, instead of
+    whole rows: a group's k best entries lie there, since each block holding one has a maximum at least as
+    large (adding an offset keeps the order), and fewer than k other blocks can have a larger one. A beam
+    step's (B, K * V) candidates cost about a third of a row-wise top-k over (B * K, V) this way.
     """
     N, V = x.shape
-    n_blocks = V // block
+    B, n_blocks = N // rows, V // block
     if x.device.type != "cpu" or n_blocks < 4 * k or x.stride(1) != 1:
-        return x.topk(k, dim=1)
+        full = x if offset is None else x + offset[:, None]
+        return full.reshape(B, rows * V).topk(k, dim=1)
     blocks = x.as_strided((N, n_blocks, block), (x.stride(0), block, 1))  # (N, n_blocks, block), a view
-    chosen = blocks.amax(dim=2).topk(k, dim=1).indices  # (N, k)
-    candidates = blocks[torch.arange(N, device=x.device)[:, None], chosen].view(N, k * block)
+    maxima = blocks.amax(dim=2)  # (N, n_blocks)
+    if offset is not None:
+        maxima += offset[:, None]
+    chosen = maxima.view(B, rows * n_blocks).topk(k, dim=1).indices  # (B, k): a row of the group and a block
+    first_row = torch.arange(B, device=x.device)[:, None] * rows
+    row, column = chosen // n_blocks + first_row, chosen % n_blocks * block  # (B, k) each
+    candidates = blocks[row, chosen % n_blocks]  # (B, k, block)
+    if offset is not None:
+        candidates = candidates + offset[row][:, :, None]
+    candidates = candidates.view(B, k * block)
     tail = n_blocks * block  # the columns after the last whole block are always candidates
     if tail < V:
-        candidates = torch.cat([candidates, x[:, tail:]], dim=1)
-    values, where = candidates.topk(k, dim=1)  # (N, k)
-    in_block = where.div(block, rounding_mode="floor")  # (N, k): which chosen block, or >= k for the tail
-    from_blocks = chosen.gather(1, in_block.clamp(max=k - 1)) * block + where % block
-    return values, torch.where(in_block < k, from_blocks, where - k * block + tail)
+        rest = x[:, tail:] if offset is None else x[:, tail:] + offset[:, None]
+        candidates = torch.cat([candidates, rest.reshape(B, rows * (V - tail))], dim=1)
+    values, where = candidates.topk(k, dim=1)  # (B, k)
+    which = where.div(block, rounding_mode="floor")  # (B, k): which chosen block, or >= k for the tail
+    in_block = which.clamp(max=k - 1)
+    from_blocks = (row.gather(1, in_block) - first_row) * V + column.gather(1, in_block) + where % block
+    if tail == V:
+        return values, from_blocks
+    after = (where - k * block).clamp(min=0)  # position among the group's tail columns, row by row
+    from_tail = after.div(V - tail, rounding_mode="floor") * V + tail + after % (V - tail)
+    return values, torch.where(which < k, from_blocks, from_tail)
 
 
 def argmax_rows(x: Tensor, block: int = 128) -> Tensor:
@@ -333,19 +353,16 @@ def beam_step(scores: Tensor, logprobs: Tensor, beam_size: int = 0) -> BeamStep:
     most K are EOS ranked in the top K, so K live ones remain whenever K finite
     non-EOS candidates exist; otherwise slots stay empty.
 
-    A sentence's 2K best candidates are among its rows' own 2K best tokens, so
-    each row is cut to those first: the (B, R * V) table of candidates is never
-    formed.
+    A sentence's candidates are its R rows' log-probabilities plus their
+    scores; its 2K best are found blockwise, without forming the (B, R * V)
+    table (`top_k_rows`).
     """
     B, R = scores.shape
     K = beam_size or R
     V = logprobs.shape[-1]
-    k = min(2 * K, V)
-    row_best, row_tokens = top_k_rows(logprobs, k)  # (N, k), best first
-    candidates = (row_best + scores.view(-1, 1)).view(B, R * k)
-    top_scores, top_index = candidates.topk(min(2 * K, R * k), dim=1)  # (B, 2K), best first
-    top_tokens = row_tokens.view(B, R * k).gather(1, top_index)
-    top_rows = top_index // k + torch.arange(B, device=scores.device)[:, None] * R
+    top_scores, top_index = top_k_rows(logprobs, min(2 * K, R * V), scores.flatten(), R)  # (B, 2K), best first
+    top_tokens = top_index % V
+    top_rows = top_index // V + torch.arange(B, device=scores.device)[:, None] * R
     finite = torch.isfinite(top_scores)
     is_eos = top_tokens == EOS
     rank = torch.arange(top_scores.shape[1], device=scores.device)
