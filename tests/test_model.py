@@ -407,33 +407,46 @@ def test_cache_follows_beams_and_dropped_rows(name: str, device: torch.device) -
 @torch.no_grad()
 def test_beam_reorders_move_no_keys_and_every_step_still_equals_the_full_pass(name: str) -> None:
     """Beam search reorders hypotheses within a sentence at every step, a parent often keeping two children
-    and losing another: the cache follows each row's ancestry instead of copying keys (the buffer is not
-    replaced or moved), and every step's logits still equal the full forward pass of the hypotheses held."""
+    and losing another, also while dropped rows are only mapped, and drops finished sentences while it
+    reorders the others: the cache follows each row's ancestry instead of copying keys (the buffer is never
+    replaced; a dropped sentence's successors move up in it), and every step's logits still equal the full
+    forward pass of the hypotheses held."""
     model = tiny_model(**variant(name)).eval()
-    K, length = 3, 9
+    K, length = 4, 9
     g = torch.Generator().manual_seed(11)
     tgt = torch.randint(EOS + 1, VOCAB, (3 * K, length), generator=g)
     tgt[:, 0] = BOS
     src, mask = source_batch()
-    sentence = torch.arange(3).repeat_interleave(K)
+    sentence = torch.arange(3).repeat_interleave(K)  # of each row search sees
     session = model.start(src, mask)
     session.select(sentence)
     assert isinstance(session, TransformerSession)
     cache = session.cache
     buffer = None
     for t in range(length):
-        if t >= 2:
-            parents = (torch.arange(3)[:, None] * K + torch.randint(0, K, (3, K), generator=g)).flatten()
+        if t == 4:  # one row dropped: mapped, not copied
+            keep = torch.tensor([0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11])
+            session.select(keep)
+            sentence, tgt = sentence[keep], tgt[keep]
+            assert cache.rows is not None
+        if t == 6:  # a sentence dropped (copied away) and the others reordered, in one call, as beam search does
+            index = torch.tensor([1, 0, 0, 3, 9, 7, 8, 10])
+            session.select(index)
+            sentence, tgt = sentence[index], tgt[index]
+            assert cache.rows is None and cache.self_kv is not None and cache.self_kv.shape[2] == 2
+        if t >= 2:  # each row continues a random hypothesis of its own sentence
+            same = sentence[:, None] == sentence[None, :]  # (N, N)
+            parents = torch.multinomial(same.float(), 1, generator=g)[:, 0]
             session.reorder(parents)
-            # a row now continues its parent's hypothesis: the parent's tokens so far, then its own
             tgt = torch.cat([tgt[parents, :t], tgt[:, t:]], dim=1)
         logits = session.step(tgt[:, t : t + 1])
         expected = model(src[sentence], mask[sentence], tgt[:, : t + 1])[:, t]
         torch.testing.assert_close(logits, expected, **CLOSE)
         if t == 1:
             buffer = cache.self_kv
+    assert buffer is not None and cache.self_kv is not None
     if name != "relative":  # relative positions read keys row by row: their rows are copied, not followed
-        assert cache.self_kv is buffer and cache.ancestry is not None
+        assert cache.self_kv.data_ptr() == buffer.data_ptr() and cache.ancestry is not None
 
 
 def test_decoding_follows_the_weights_after_training_updates() -> None:

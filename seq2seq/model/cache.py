@@ -237,34 +237,68 @@ class DecoderCache:
         return bias[:, None]
 
     def reorder(self, index: Tensor) -> None:
-        """Reorder hypotheses *within* each sentence (beam search): rows (P,) of the stored rows.
+        """Reorder hypotheses *within* each sentence (beam search): search's row i takes row index[i]'s.
 
-        Nothing moves: each row's `ancestry` follows its new hypothesis's.
+        Nothing moves: each stored row's `ancestry` follows its new hypothesis's (dropped rows, still
+        stored while `rows` maps search's rows, keep theirs). Rows taken across sentences are selected.
         """
-        K, P = self.group, self.stored_rows
-        within = index.shape[0] == P and torch.equal(
-            torch.div(index, K, rounding_mode="floor"), torch.arange(P, device=index.device) // K
-        )
-        if self.rows is not None or not within:  # rows were dropped since the last copy, or not a beam's
+        targets = self._stored(torch.arange(index.shape[0], device=index.device))
+        sources = self._stored(index)
+        K = self.group
+        if index.shape[0] != self.batch_size or not torch.equal(
+            torch.div(sources, K, rounding_mode="floor"), torch.div(targets, K, rounding_mode="floor")
+        ):
             self.select(index)
             return
-        if K == 1:
-            return
-        G, step = P // K, self.step
-        parent = (index % K).view(G, K, 1).expand(G, K, step)
-        self.ancestry = self.full_ancestry(step).gather(1, parent)
-        self._self_bias = None
+        self._follow(targets, sources)
 
     def select(self, index: Tensor) -> None:
-        """Keep (or repeat) whole rows, cross-attention included: for dropping
-        finished sentences or expanding each sentence to its beam."""
-        rows = index if self.rows is None else self.rows.index_select(0, index)
+        """Keep (or repeat) whole rows, cross-attention included: for dropping finished sentences or expanding
+        each sentence to its beam. Search's row i takes row index[i]'s hypothesis.
+
+        Beam search drops sentences and reorders the hypotheses of the others in one call: when each block of
+        `group` new rows comes from one sentence, sentences in order, the kept sentences' rows follow their
+        new hypotheses (as in `reorder`), and only the dropped sentences' rows leave."""
+        sources = self._stored(index)
+        K = self.group
+        if K > 1 and index.shape[0] % K == 0:
+            blocks = torch.div(sources, K, rounding_mode="floor").view(-1, K)  # (G', K) each new row's sentence
+            sentences = blocks[:, 0]
+            if bool((blocks == sentences[:, None]).all()) and bool((sentences[1:] > sentences[:-1]).all()):
+                targets = (sentences[:, None] * K + torch.arange(K, device=index.device)).flatten()
+                self._follow(targets, sources)
+                sources = targets
+        self._keep(sources)
+
+    def _stored(self, index: Tensor) -> Tensor:
+        """Search's rows (N',) -> the stored rows that hold them."""
+        return index if self.rows is None else self.rows.index_select(0, index)
+
+    def _follow(self, targets: Tensor, sources: Tensor) -> None:
+        """Stored rows `targets` take the hypotheses of stored rows `sources` of their own sentences: their
+        ancestry becomes those rows' (nothing copied but the (G, group, step) table)."""
+        K, step = self.group, self.step
+        if K == 1 or torch.equal(targets, sources):
+            return
+        ancestry = self.full_ancestry(step).view(-1, step)  # (P, step)
+        followed = ancestry.clone()
+        followed[targets] = ancestry.index_select(0, sources)
+        self.ancestry = followed.view(-1, K, step)
+        self._self_bias = None
+
+    def _keep(self, rows: Tensor) -> None:
+        """Keep (or repeat) stored rows `rows` (N',): mapped while `_may_skip` allows, else copied."""
         if self._may_skip(rows):
             self.rows = rows
             return
         self.rows = None
-        sources, group = source_groups(torch.div(rows, self.group, rounding_mode="floor"))
-        self._copy(rows, group)
+        K = self.group
+        sources, group = source_groups(torch.div(rows, K, rounding_mode="floor"))
+        whole = (sources[:, None] * K + torch.arange(K, device=rows.device)).flatten()
+        if group == K and torch.equal(rows, whole) and bool((sources[1:] > sources[:-1]).all()):
+            self._compact(sources)  # whole sentences kept in order: they move up in place
+        else:
+            self._copy(rows, group)
         self.group = group
         if not torch.equal(sources, torch.arange(self.cross.shape[2], device=sources.device)):
             self.cross = self.cross.index_select(2, sources)
@@ -285,6 +319,22 @@ class DecoderCache:
             return False
         return bool((rows[1:] > rows[:-1]).all())
 
+    def _compact(self, sources: Tensor) -> None:
+        """Keep the sentences `sources` (G',), increasing: each moves, whole (its rows, their ancestry), to its
+        new place in the same buffer; only the sentences whose place changes are copied."""
+        if self.ancestry is not None:
+            self.ancestry = self.ancestry.index_select(0, sources)
+        self._self_bias = None
+        if self.self_kv is None:
+            return
+        n = sources.shape[0]
+        valid = self.self_kv[:, :, :, :, : self.step]  # (L, 2, G, H, step, K, Dh)
+        moved = (sources != torch.arange(n, device=sources.device)).nonzero().squeeze(1)
+        if moved.numel():
+            for part in valid.flatten(0, 1):  # (G, H, step, K, Dh) per layer and K/V: whole sentences
+                part.index_copy_(0, moved, part.index_select(0, sources[moved]))  # gathered before any is written
+        self.self_kv = self.self_kv[:, :, :n]
+
     def _copy(self, rows: Tensor, group: int) -> None:
         """A new buffer whose row i (of N, `group` per source) holds stored row rows[i]'s hypothesis, each of its
         positions gathered from the slot its ancestry names."""
@@ -292,15 +342,19 @@ class DecoderCache:
         self.ancestry, self._self_bias = None, None
         if kv is None:
             return
-        L, _, _, H, capacity, K, Dh = kv.shape
+        L, _, G, H, capacity, K, Dh = kv.shape
         n, step = rows.shape[0], self.step
         copied = kv.new_empty(L, 2, n // group, H, capacity, group, Dh)
         if step:
-            source = torch.div(rows, K, rounding_mode="floor")[:, None]  # (N, 1)
-            slot = ancestry[source[:, 0], rows % K]  # (N, step)
-            positions = torch.arange(step, device=rows.device)[None, :]
-            gathered = kv[:, :, source, :, positions, slot]  # (N, step, L, 2, H, Dh)
-            copied[:, :, :, :, :step] = gathered.view(n // group, group, step, L, 2, H, Dh).permute(3, 4, 0, 5, 2, 1, 6)
+            # each new (source, head, position, row)'s Dh values: one row of kv seen as (L * 2, G*H*capacity*K, Dh)
+            source = torch.div(rows, K, rounding_mode="floor")  # (N,)
+            slot = ancestry[source, rows % K]  # (N, step): the slot of row i's hypothesis at each position
+            heads = torch.arange(H, device=rows.device)[None, :, None, None]
+            positions = torch.arange(step, device=rows.device)[None, None, :, None]
+            where = (source.view(-1, 1, 1, group) * H + heads) * capacity + positions  # (N / group, H, step, group)
+            where = where * K + slot.view(-1, group, step).transpose(1, 2)[:, None]
+            picked = kv.view(L * 2, -1, Dh).index_select(1, where.flatten())  # whole Dh rows, copied as such
+            copied[:, :, :, :, :step] = picked.view(L, 2, n // group, H, step, group, Dh)
         self.self_kv = copied
 
     def cross_bias(self, like: Tensor) -> Tensor:
