@@ -9,6 +9,7 @@ Tiny dimensions, fixed seeds, dropout 0 and eval mode, so every comparison is ex
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from typing import Any
 
@@ -21,7 +22,7 @@ from torch.nn.attention import SDPBackend
 from seq2seq.config import DecoderOnlyConfig, RNNConfig
 from seq2seq.model import MultiHeadAttention, Seq2SeqModel, build_model, kernel_scope, training_kernel
 from seq2seq.model.packed import onednn_available
-from seq2seq.model.plan import CPU_KERNEL
+from seq2seq.model.plan import CPU_KERNEL, FUSED_KERNEL
 from seq2seq.model.rnn import Encoded
 from seq2seq.model.transformer import DecodingPlan, Seq2SeqTransformer, TransformerSession, sinusoidal_table
 from seq2seq.text.vocab import BOS, EOS, PAD
@@ -403,14 +404,16 @@ def test_cache_follows_beams_and_dropped_rows(name: str, device: torch.device) -
         torch.testing.assert_close(logits, expected[row, t], **CLOSE)
 
 
+@pytest.mark.parametrize("kernel", [CPU_KERNEL, FUSED_KERNEL])
 @pytest.mark.parametrize("name", ["post", "rope", "relative", "t5_bias"])
 @torch.no_grad()
-def test_beam_reorders_move_no_keys_and_every_step_still_equals_the_full_pass(name: str) -> None:
+def test_beam_reorders_move_no_keys_and_every_step_still_equals_the_full_pass(name: str, kernel: str) -> None:
     """Beam search reorders hypotheses within a sentence at every step, a parent often keeping two children
     and losing another, also while dropped rows are only mapped, and drops finished sentences while it
     reorders the others: the cache follows each row's ancestry instead of copying keys (the buffer is never
     replaced; a dropped sentence's successors move up in it), and every step's logits still equal the full
-    forward pass of the hypotheses held."""
+    forward pass of the hypotheses held. Both step kernels: the CPU's matmuls and PyTorch's fused attention
+    (the GPU's), each given the grouped keys and their mask."""
     model = tiny_model(**variant(name)).eval()
     K, length = 4, 9
     g = torch.Generator().manual_seed(11)
@@ -422,6 +425,7 @@ def test_beam_reorders_move_no_keys_and_every_step_still_equals_the_full_pass(na
     session.select(sentence)
     assert isinstance(session, TransformerSession)
     cache = session.cache
+    cache.plan = dataclasses.replace(cache.plan, kernel=kernel)
     buffer = None
     for t in range(length):
         if t == 4:  # one row dropped: mapped, not copied
