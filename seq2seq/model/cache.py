@@ -209,7 +209,7 @@ class DecoderCache:
         G, K = self.cross_mask.shape[0], self.group
         own = torch.arange(K, device=self.cross_mask.device)
         known = self.ancestry if self.ancestry is not None else own.new_empty(G, K, 0)
-        later = own[None, :, None].expand(G, K, end - known.shape[2])
+        later = own[None, :, None].expand(G, K, max(end - known.shape[2], 0))
         return torch.cat([known[:, :, :end], later], dim=2) if later.shape[2] else known[:, :, :end]
 
     def self_bias(self, T: int, like: Tensor) -> Tensor | None:
