@@ -71,9 +71,13 @@ def test_quickstart_model_learns_german_to_english(multi30k: Path, tmp_path: Pat
 
 
 def test_resume_on_multi30k_reaches_the_same_weights(multi30k: Path, tmp_path: Path) -> None:
-    """The quickstart model in its own precision and batching, stopped mid-epoch: resuming changes nothing."""
+    """The quickstart model in its own precision and batching, stopped mid-epoch: resuming changes nothing.
+
+    The run is stopped by a lower train.max_steps and resumed with the higher one; the quickstart's cosine
+    decays to 0 at train.max_steps, so the stopped run would follow another schedule (the comparison is
+    then of two schedules, not of a resume): this test uses one that does not look at the limits."""
     whole, part = tmp_path / "whole", tmp_path / "part"
-    settings = ("validation.bleu=false", "optim.warmup_steps=10")
+    settings = ("validation.bleu=false", "optim.warmup_steps=10", "optim.schedule=inverse_sqrt")
     seq2seq("train", *quickstart(multi30k, whole), *settings, f"train.max_steps={END}", cwd=tmp_path)
     seq2seq("train", *quickstart(multi30k, part), *settings, f"train.max_steps={STOP}", cwd=tmp_path)
     seq2seq("train", *quickstart(multi30k, part), *settings, f"train.max_steps={END}", cwd=tmp_path)
