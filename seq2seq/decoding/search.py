@@ -163,8 +163,8 @@ def top_k_rows(
         maxima += offset[:, None]
     chosen = maxima.view(B, rows * n_blocks).topk(k, dim=1).indices  # (B, k): a row of the group and a block
     first_row = torch.arange(B, device=x.device)[:, None] * rows
-    row, column = chosen // n_blocks + first_row, chosen % n_blocks * block  # (B, k) each
-    candidates = blocks[row, chosen % n_blocks]  # (B, k, block)
+    row, within = chosen // n_blocks + first_row, chosen % n_blocks  # (B, k) each: a row and its block
+    candidates = blocks[row, within]  # (B, k, block)
     if offset is not None:
         candidates = candidates + offset[row][:, :, None]
     candidates = candidates.view(B, k * block)
@@ -175,7 +175,7 @@ def top_k_rows(
     values, where = candidates.topk(k, dim=1)  # (B, k)
     which = where.div(block, rounding_mode="floor")  # (B, k): which chosen block, or >= k for the tail
     in_block = which.clamp(max=k - 1)
-    from_blocks = (row.gather(1, in_block) - first_row) * V + column.gather(1, in_block) + where % block
+    from_blocks = (row.gather(1, in_block) - first_row) * V + within.gather(1, in_block) * block + where % block
     if tail == V:
         return values, from_blocks
     after = (where - k * block).clamp(min=0)  # position among the group's tail columns, row by row
