@@ -449,8 +449,7 @@ def test_beam_reorders_move_no_keys_and_every_step_still_equals_the_full_pass(na
         if t == 1:
             buffer = cache.self_kv
     assert buffer is not None and cache.self_kv is not None
-    if name != "relative":  # relative positions read keys row by row: their rows are copied, not followed
-        assert cache.self_kv.data_ptr() == buffer.data_ptr() and cache.ancestry is not None
+    assert cache.self_kv.data_ptr() == buffer.data_ptr() and cache.ancestry is not None
 
 
 def test_decoding_follows_the_weights_after_training_updates() -> None:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from seq2seq.model.cache import LayerCache, SelfAttentionCache, StepKeys
+from seq2seq.model.cache import LayerCache, SelfAttentionCache, StepCache, StepKeys
 from seq2seq.model.linear import linear
 from seq2seq.model.long_attention import LongAttention
 from seq2seq.model.packed import plain_linear
@@ -158,7 +158,7 @@ class MultiHeadAttention(nn.Module):
         mask: Tensor | None = None,
         causal: bool = False,
         packing: Packing | None = None,
-        cache: SelfAttentionCache | None = None,
+        cache: LayerCache | SelfAttentionCache | None = None,
     ) -> Tensor:
         """Self-attention of x (B, L, D) at positions 0..L-1 -> (B, L, D).
 
@@ -170,8 +170,9 @@ class MultiHeadAttention(nn.Module):
         q, k, v = self.project_self(x, packing, cache)
         if self.rotary is not None:
             q, k = self.rotary(q, start), self.rotary(k, start)
-        if isinstance(cache, LayerCache) and self.relative is None:  # a Transformer's decoding step
-            return self.merge_heads(grouped_step_attention(q, cache.extend(k, v), cache.plan.kernel, mask), cache=cache)
+        if isinstance(cache, LayerCache):  # a Transformer's decoding step
+            heads = grouped_step_attention(q, cache.extend(k, v), cache.plan.kernel, mask, self.relative)
+            return self.merge_heads(heads, cache=cache)
         if cache is not None:
             k, v = cache.append(k, v)  # (N, H, start + T, Dh): the cached keys/values and this step's
         dropout = self.dropout if self.training else 0.0
@@ -225,7 +226,7 @@ class MultiHeadAttention(nn.Module):
         return x.view(B, L, self.n_heads, -1).transpose(1, 2)  # (B, H, L, Dh)
 
     def project_self(
-        self, x: Tensor, packing: Packing | None = None, cache: SelfAttentionCache | None = None
+        self, x: Tensor, packing: Packing | None = None, cache: StepCache | None = None
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Queries, keys and values of `x` (B, L, D), or of its real positions (n, D), each (B, H, L, Dh)."""
         if cache is None:
@@ -248,9 +249,7 @@ class MultiHeadAttention(nn.Module):
         k, v = linear(memory, *self.memory_weights()).chunk(2, dim=-1)
         return self.split_heads(k), self.split_heads(v)
 
-    def merge_heads(
-        self, out: Tensor, packing: Packing | None = None, cache: SelfAttentionCache | None = None
-    ) -> Tensor:
+    def merge_heads(self, out: Tensor, packing: Packing | None = None, cache: StepCache | None = None) -> Tensor:
         """(B, H, T, Dh) -> W_O applied to the concatenated heads, (B, T, D), or (n, D) at the packed positions;
         in a decoding step, W_O as the session's plan runs it."""
         heads = concat_heads(out) if packing is None else packing.pack(concat_heads(out))
@@ -273,7 +272,7 @@ def attention_heads(
     mask: Tensor | None,
     causal: bool,
     dropout: float,
-    cache: SelfAttentionCache | None = None,
+    cache: StepCache | None = None,
     bias: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor:
     """softmax(Q K^T / sqrt(Dh)) V per head, (B, H, Lq, Dh): PyTorch's fused kernel (with attention dropout,
@@ -327,10 +326,17 @@ def step_attention(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-def grouped_step_attention(q: Tensor, step: StepKeys, kernel: str, mask: Tensor | None = None) -> Tensor:
+def grouped_step_attention(
+    q: Tensor,
+    step: StepKeys,
+    kernel: str,
+    mask: Tensor | None = None,
+    relative: RelativePositions | None = None,
+) -> Tensor:
     """A decoding step's self-attention heads (P, H, T, Dh) over keys grouped by source (`StepKeys`): the
     `group` rows of a source attend to its keys as one matrix of group * T queries, each seeing its own
-    hypothesis's keys only (`step.bias`), with the kernel of the session's plan.
+    hypothesis's keys only (`step.bias`), with the kernel of the session's plan, or spelled out with
+    Shaw et al.'s terms when the model has `relative` positions.
 
     q: (P, H, T, Dh), rows of a source contiguous; mask: None, or an additive (1, H, T, Lk) bias that is the
     same for every row (`positions: t5_bias`, with its causal part).
@@ -345,7 +351,12 @@ def grouped_step_attention(q: Tensor, step: StepKeys, kernel: str, mask: Tensor 
         Lk = mask.shape[-1]
         spread = mask.to(q.dtype)[:, :, None, :, :, None].expand(1, H, K, T, Lk, K).reshape(1, H, K * T, Lk * K)
         bias = spread if bias is None else bias + spread
-    if kernel == CPU_KERNEL:
+    if relative is not None:  # query row (j, t) at position start + t, key column (s, r) at position s
+        end = step.keys.shape[2] // K
+        index = relative.distances(end - T, T, 0, end, q.device)  # (T, end)
+        index = index[None, :, :, None].expand(K, T, end, K).reshape(K * T, end * K)
+        heads = relative.attend(queries, step.keys, step.values, end - T, bias, False, 0.0, index)
+    elif kernel == CPU_KERNEL:
         flat = None if bias is None else bias.expand(G, H, -1, -1).reshape(G * H, K * T, -1)
         heads = decode_attention(queries, step.keys, step.values, flat)
     else:

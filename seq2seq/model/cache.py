@@ -24,14 +24,20 @@ from seq2seq.model.packed import Linear
 from seq2seq.model.plan import StepPlan
 
 
-class SelfAttentionCache(Protocol):
-    """What a self-attention decoding step reads and extends: a `LayerCache`, or a decoder-only model's
-    (seq2seq.model.decoder_only.PrefixLayerCache)."""
+class StepCache(Protocol):
+    """What every decoding step's cache tells the layers: the session's plan and the positions cached so far."""
 
     @property
     def plan(self) -> StepPlan: ...
     @property
     def length(self) -> int: ...
+
+
+class SelfAttentionCache(StepCache, Protocol):
+    """A cache that hands a self-attention step each row's keys and values by position: a decoder-only model's
+    (seq2seq.model.decoder_only.PrefixLayerCache). A Transformer's `LayerCache` hands them grouped by source
+    (`LayerCache.extend`)."""
+
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
 
 
@@ -106,20 +112,6 @@ class LayerCache:
         keys = layer[0, :, :, :end].reshape(G, H, end * K, Dh)
         values = layer[1, :, :, :end].reshape(G, H, end * K, Dh)
         return StepKeys(keys, values, K, self.cache.self_bias(T, k))
-
-    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write this step's keys/values (P, H, T, Dh) after the cached ones; return all of them so far, row by
-        row (P, H, end, Dh): copies, for attention that needs each row's keys by position (relative positions)."""
-        self.cache.settle()
-        grouped = self.extend(k, v)
-        P, H, T, Dh = k.shape
-        K, end = grouped.group, self.cache.step + T
-        G = P // K
-
-        def rows(x: Tensor) -> Tensor:
-            return x.view(G, H, end, K, Dh).permute(0, 3, 1, 2, 4).reshape(P, H, end, Dh)
-
-        return rows(grouped.keys), rows(grouped.values)
 
 
 class DecoderCache:
@@ -306,11 +298,6 @@ class DecoderCache:
             self._cross_bias = None
         for layer in self.layers:
             layer.cross_k, layer.cross_v = self.cross[layer.index, 0], self.cross[layer.index, 1]
-
-    def settle(self) -> None:
-        """Copy every row's keys/values into its own slot, so that `ancestry` is its own again."""
-        if self.ancestry is not None:
-            self._copy(torch.arange(self.stored_rows, device=self.ancestry.device), self.group)
 
     def _may_skip(self, rows: Tensor) -> bool:
         """Whether `rows` (stored rows to keep) can stay a map: each row once, in order, and most of them."""

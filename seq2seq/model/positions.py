@@ -82,12 +82,23 @@ class RelativePositions(nn.Module):
         return (q @ k.transpose(-2, -1) + self.score_bias(q, index)) / math.sqrt(q.shape[-1])
 
     def attend(
-        self, q: Tensor, k: Tensor, v: Tensor, start: int, mask: Tensor | None, causal: bool, dropout: float
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        start: int,
+        mask: Tensor | None,
+        causal: bool,
+        dropout: float,
+        index: Tensor | None = None,
     ) -> Tensor:
         """z_i for queries at start.. over keys at 0.., before W_O: (B, H, Lq, Dh). mask: (B, 1, 1, Lk) True where
         allowed, an additive one (B, 1 or H, Lq, Lk) with -inf where not, or None; `causal` hides later keys;
-        `dropout`: on the weights (0 outside training)."""
-        scores = self.scores(q, k, start)  # (B, H, Lq, Lk)
+        `dropout`: on the weights (0 outside training). `index` (Lq, Lk): each query-key pair's clipped
+        distance (`distances`), for queries and keys in another order (a decoding step's grouped keys)."""
+        if index is None:
+            index = self.distances(start, q.shape[2], 0, k.shape[2], q.device)
+        scores = (q @ k.transpose(-2, -1) + self.score_bias(q, index)) / math.sqrt(q.shape[-1])  # (B, H, Lq, Lk)
         if mask is not None and mask.is_floating_point():
             scores = scores + mask.to(scores.dtype)
         elif mask is not None:
@@ -96,7 +107,6 @@ class RelativePositions(nn.Module):
             i = torch.arange(start, start + q.shape[2], device=q.device)[:, None]
             scores = scores.masked_fill(torch.arange(k.shape[2], device=q.device)[None, :] > i, float("-inf"))
         weights = F.dropout(scores.softmax(dim=-1), dropout, dropout > 0)
-        index = self.distances(start, q.shape[2], 0, k.shape[2], q.device)
         return weights @ v + self.value_term(weights, index)
 
 
