@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import weakref
 from typing import Any
 
 import pytest
@@ -450,6 +451,49 @@ def test_beam_reorders_move_no_keys_and_every_step_still_equals_the_full_pass(na
             buffer = cache.self_kv
     assert buffer is not None and cache.self_kv is not None
     assert cache.self_kv.data_ptr() == buffer.data_ptr() and cache.ancestry is not None
+
+
+@torch.no_grad()
+def test_sessions_reuse_one_block_for_their_keys_and_never_share_it() -> None:
+    """A session's self-attention keys/values go into the block the last finished session held (the model's
+    `SpareBuffer`); two sessions alive at once never share one; every step still equals the full pass; and a
+    session's cache is freed as soon as nothing refers to it (no reference cycle keeps it)."""
+    model = tiny_model(**variant("post")).eval()
+    assert isinstance(model, Seq2SeqTransformer)
+    src, mask = source_batch()
+    tgt = target_batch()
+
+    def run(session: TransformerSession) -> int:
+        for t in range(tgt.shape[1]):
+            logits = session.step(tgt[:, t : t + 1])
+            torch.testing.assert_close(logits, model(src, mask, tgt[:, : t + 1])[:, t], **CLOSE)
+        assert session.cache.self_kv is not None
+        return session.cache.self_kv.data_ptr()
+
+    first = model.start(src, mask)
+    assert isinstance(first, TransformerSession)
+    first_block = run(first)
+    second = model.start(src, mask)  # the first is still alive: its block is not for the second
+    assert isinstance(second, TransformerSession)
+    assert run(second) != first_block
+    alive, held = weakref.ref(first.cache), first.cache.self_kv  # held: malloc cannot hand out this memory again
+    del first
+    assert alive() is None  # freed by reference counting, without the garbage collector
+    third = model.start(src, mask)
+    assert isinstance(third, TransformerSession)
+    assert run(third) == first_block == held.data_ptr()  # the first session's block, given back when it ended
+
+
+def test_a_block_made_in_inference_mode_is_not_written_outside_it() -> None:
+    """Inference tensors can be written in inference mode only: a session under `no_grad` after one under
+    `inference_mode` takes fresh memory (and decodes right)."""
+    model = tiny_model(**variant("post")).eval()
+    src, mask = source_batch()
+    tgt = target_batch()
+    with torch.inference_mode():
+        decode_incrementally(model, src, mask, tgt)
+    with torch.no_grad():
+        torch.testing.assert_close(decode_incrementally(model, src, mask, tgt), model(src, mask, tgt), **CLOSE)
 
 
 def test_decoding_follows_the_weights_after_training_updates() -> None:

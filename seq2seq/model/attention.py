@@ -99,6 +99,11 @@ class Packing:
         full = x.new_zeros(self.batch * self.length, *x.shape[1:]).index_copy_(0, self.rows, x)
         return full.view(self.batch, self.length, *x.shape[1:])
 
+    def unpack_into(self, x: Tensor, out: Tensor) -> None:
+        """Write x (n, ...) at the real positions of `out` (B, S, ...), a view in any layout (padding untouched)."""
+        sentence = self.rows.div(self.length, rounding_mode="floor")
+        out.index_put_((sentence, self.rows - sentence * self.length), x)
+
 
 def attention_weights(q: Tensor, k: Tensor, mask: Tensor) -> Tensor:
     """softmax(Q K^T / sqrt(Dh)) written out: (B, H, T, Dh), (B, H, S, Dh) -> (B, H, T, S), 0 where `mask` forbids."""

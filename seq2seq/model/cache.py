@@ -14,6 +14,9 @@ data.
 
 from __future__ import annotations
 
+import math
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -147,7 +150,7 @@ class DecoderCache:
     CHUNK = 16
     KEEP_DROPPED = 0.25  # compact once more than this fraction of the stored rows is dropped
 
-    def __init__(self, cross: Tensor, cross_mask: Tensor, plan: StepPlan) -> None:
+    def __init__(self, cross: Tensor, cross_mask: Tensor, plan: StepPlan, spare: SpareBuffer | None = None) -> None:
         self.plan = plan  # how this session's steps run: not data, and no step changes it
         self.cross = cross  # (L, 2, G, H, S, Dh)
         self.cross_mask = cross_mask  # (G, 1, 1, S) True where attention is allowed
@@ -158,7 +161,16 @@ class DecoderCache:
         self.ancestry: Tensor | None = None  # (G, group, n) slot of each row's keys per position; None: its own
         self._self_bias: tuple[tuple[int, int, torch.dtype], Tensor | None] | None = None
         self._cross_bias: Tensor | None = None
-        self.layers = [LayerCache(self, i) for i in range(cross.shape[0])]
+        self.spare = spare  # where self_kv comes from and goes back to (`SpareBuffer`); None: fresh memory
+        self._held = HeldBuffer()  # the whole block self_kv views, given back to `spare` when this cache ends
+        if spare is not None:
+            weakref.finalize(self, spare.give, self._held)
+
+    @property
+    def layers(self) -> list[LayerCache]:
+        """Each layer's part, made for the step that asks (a layer's part refers to this cache, and this cache
+        keeps none: no reference cycle, so a session's buffers are freed as soon as its search is done)."""
+        return [LayerCache(self, i) for i in range(self.cross.shape[0])]
 
     @property
     def stored_rows(self) -> int:
@@ -190,10 +202,10 @@ class DecoderCache:
         # At first the source length and a chunk more: most translations fit, and the cache never grows.
         wanted = end if kv is not None else max(end, self.cross.shape[4] + self.CHUNK)
         capacity = -(-wanted // self.CHUNK) * self.CHUNK  # rounded up to whole chunks
-        grown = like.new_empty(len(self.layers), 2, P // self.group, H, capacity, self.group, Dh)
+        block, grown = self._new_buffer(like, (self.cross.shape[0], 2, P // self.group, H, capacity, self.group, Dh))
         if kv is not None:
             grown[:, :, :, :, : self.step] = kv[:, :, :, :, : self.step]
-        self.self_kv = grown
+        self._replace(block, grown)
         return grown
 
     def full_ancestry(self, end: int) -> Tensor:
@@ -296,8 +308,6 @@ class DecoderCache:
             self.cross = self.cross.index_select(2, sources)
             self.cross_mask = self.cross_mask.index_select(0, sources)
             self._cross_bias = None
-        for layer in self.layers:
-            layer.cross_k, layer.cross_v = self.cross[layer.index, 0], self.cross[layer.index, 1]
 
     def _may_skip(self, rows: Tensor) -> bool:
         """Whether `rows` (stored rows to keep) can stay a map: each row once, in order, and most of them."""
@@ -331,7 +341,7 @@ class DecoderCache:
             return
         L, _, G, H, capacity, K, Dh = kv.shape
         n, step = rows.shape[0], self.step
-        copied = kv.new_empty(L, 2, n // group, H, capacity, group, Dh)
+        block, copied = self._new_buffer(kv, (L, 2, n // group, H, capacity, group, Dh))
         if step:
             # each new (source, head, position, row)'s Dh values: one row of kv seen as (L * 2, G*H*capacity*K, Dh)
             source = torch.div(rows, K, rounding_mode="floor")  # (N,)
@@ -342,7 +352,22 @@ class DecoderCache:
             where = where * K + slot.view(-1, group, step).transpose(1, 2)[:, None]
             picked = kv.view(L * 2, -1, Dh).index_select(1, where.flatten())  # whole Dh rows, copied as such
             copied[:, :, :, :, :step] = picked.view(L, 2, n // group, H, step, group, Dh)
-        self.self_kv = copied
+        self._replace(block, copied)
+
+    def _new_buffer(self, like: Tensor, shape: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+        """An uninitialised tensor of `shape` for self_kv, and the block of memory it views: the spare block
+        when this cache has a `spare` and it fits, else a new one."""
+        numel = math.prod(shape)
+        block = like.new_empty(numel) if self.spare is None else self.spare.take(like, numel)
+        return block, block[:numel].view(shape)
+
+    def _replace(self, block: Tensor, buffer: Tensor) -> None:
+        """self_kv becomes `buffer`, a view of `block` (`_new_buffer`); the block self_kv viewed until now goes
+        back to `spare`."""
+        self.self_kv = buffer
+        old, self._held.block = self._held.block, block
+        if self.spare is not None:
+            self.spare.give(HeldBuffer(old))
 
     def cross_bias(self, like: Tensor) -> Tensor:
         """cross_mask as an additive bias (G * H, 1, S): 0 where attention is allowed, -inf at padding.
@@ -355,6 +380,67 @@ class DecoderCache:
             bias.masked_fill_(~self.cross_mask, float("-inf"))  # (G, 1, 1, S)
             self._cross_bias = bias.expand(G, H, 1, -1).reshape(G * H, 1, -1)
         return self._cross_bias
+
+
+@dataclass
+class HeldBuffer:
+    """The block of memory a cache's self_kv views (None: none yet)."""
+
+    block: Tensor | None = None
+
+
+class SpareBuffer:
+    """One block of CPU memory kept between a model's decoding sessions for their self-attention keys/values.
+
+    PyTorch's CPU tensors come from malloc, which maps a block of more than
+    32 MB afresh for each allocation and unmaps it when it is freed, and may
+    do the same with smaller ones: every 4 KB page a session then writes costs
+    a page fault. A Transformer's cache is written a position at a time in
+    every (sentence, head) slice, so each step that crosses into a new page
+    paid for a page per slice (1,536 faults, about 2 ms, at steps 0, 16 and 32
+    of a 64-sentence batch of the 3+3-layer d256 model; 20,000 faults in a
+    beam-5 batch). A session takes the spare block (no other session can
+    hold it meanwhile), and its cache gives back the block it held when it
+    replaces it or ends (`DecoderCache`). One block is kept, the largest given
+    back; `DecodingPlan` owns it and drops it with the packed weights.
+    """
+
+    def __init__(self) -> None:
+        self._block: Tensor | None = None
+        self._lock = threading.Lock()
+
+    def take(self, like: Tensor, numel: int) -> Tensor:
+        """A flat block of at least `numel` elements of like's dtype and device: the spare one if it fits and is
+        at most twice that (a beam's first step, one row per sentence, leaves the spare to its expansion)."""
+        with self._lock:
+            block = self._block
+            if block is not None and numel <= block.numel() <= 2 * numel and _alike(block, like):
+                self._block = None
+                return block
+        return like.new_empty(numel)
+
+    def give(self, held: HeldBuffer) -> None:
+        """Keep `held`'s block as the spare, unless the spare now is larger."""
+        block, held.block = held.block, None
+        if block is None:
+            return
+        with self._lock:
+            if self._block is None or self._block.numel() < block.numel():
+                self._block = block
+
+    def clear(self) -> None:
+        with self._lock:
+            self._block = None
+
+    def __reduce__(self) -> tuple[type[SpareBuffer], tuple[()]]:
+        return SpareBuffer, ()  # a copy or a pickle keeps memory of its own: none to begin with
+
+
+def _alike(block: Tensor, like: Tensor) -> bool:
+    """Whether `block` may hold like's data now: same dtype and device, and writable here (a block made in
+    inference mode can be written only in inference mode)."""
+    writable = not block.is_inference() or torch.is_inference_mode_enabled()
+    return block.dtype == like.dtype and block.device == like.device and writable
 
 
 def source_groups(source: Tensor) -> tuple[Tensor, int]:

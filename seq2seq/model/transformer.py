@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from seq2seq.config import ModelConfig
 from seq2seq.errors import ConfigError
 from seq2seq.model.attention import MultiHeadAttention, Packing, attention_mask
-from seq2seq.model.cache import DecoderCache, LayerCache
+from seq2seq.model.cache import DecoderCache, LayerCache, SpareBuffer
 from seq2seq.model.embedding import Embedding, output_layer, token_embeddings
 from seq2seq.model.embedding import sinusoidal_table as sinusoidal_table  # tests import it from here
 from seq2seq.model.layers import DecoderLayer, EncoderLayer, FeedForward, LayerOptions
@@ -58,19 +58,18 @@ class Encoder(nn.Module):
         self.final_norm = final_norm  # LayerNorm for pre-norm, Identity for post-norm
         self.position_bias = position_bias  # positions: t5_bias, shared by the layers
 
-    def forward(self, src: Tensor, src_pad_mask: Tensor, skip_padding: bool = False) -> Tensor:
-        """(B, S) -> (B, S, D). `skip_padding`: compute only the real positions (zeros at padding)."""
+    def forward(self, src: Tensor, src_pad_mask: Tensor, packing: Packing | None = None) -> Tensor:
+        """(B, S) -> (B, S, D); with `packing` (that of src_pad_mask), only the real positions are computed and
+        returned, (n, D)."""
         mask = attention_mask(src_pad_mask)  # (B, 1, 1, S)
         if self.position_bias is not None:  # additive (B, H, S, S), once for every layer
             mask = self.position_bias(0, src.shape[1], src.shape[1], mask)
         x = self.embedding(src)  # (B, S, D)
-        packing = Packing.of(src_pad_mask) if skip_padding else None
         if packing is not None:
             x = packing.pack(x)  # (n, D)
         for layer in self.layers:
             x = layer(x, mask, packing)
-        x = self.final_norm(x)
-        return x if packing is None else packing.unpack(x)
+        return self.final_norm(x)
 
 
 class Decoder(nn.Module):
@@ -180,9 +179,10 @@ class DecodingPlan:
         self.quantize = quantize
         self.pack = pack and onednn_available()
         self._packed: tuple[ParameterKey, StepPlan] | None = None
+        self.spare = SpareBuffer()  # the self-attention keys/values' memory, kept between CPU sessions
 
     def session(self, memory: Tensor) -> StepPlan:
-        """The plan of the session that starts now, over the encoder output `memory` (B, S, D)."""
+        """The plan of the session that starts now, over the encoder output `memory` (..., D)."""
         kernel = CPU_KERNEL if memory.device.type == "cpu" else FUSED_KERNEL
         if self.quantize == "int8":
             return self._int8(kernel)
@@ -220,10 +220,16 @@ class DecodingPlan:
         """Whether packed copies of the weights are kept now (the last batch on CPU float32 ran with them)."""
         return self._packed is not None
 
+    def spare_for(self, like: Tensor) -> SpareBuffer | None:
+        """Where a session's self-attention keys/values come from: the kept block on the CPU (`SpareBuffer`);
+        None elsewhere (CUDA's caching allocator keeps freed memory already)."""
+        return self.spare if like.device.type == "cpu" else None
+
     def invalidate(self) -> None:
-        """Drop the packed copies: the weights may change from now on, and fused optimizers change them
-        without bumping their versions."""
+        """Drop the packed copies and the kept memory: the weights may change from now on (fused optimizers
+        change them without bumping their versions), and training needs its memory."""
         self._packed = None
+        self.spare.clear()
 
     def __getstate__(self) -> dict[str, object]:
         return {**self.__dict__, "_packed": None}  # copies and pickles pack again when they decode
@@ -314,22 +320,30 @@ class Seq2SeqTransformer(nn.Module):
 
     def encode(self, src: Tensor, src_pad_mask: Tensor) -> Tensor:
         """The encoder output (B, S, D), computed at the real positions only (zeros at padding)."""
-        return self.encoder(src, src_pad_mask, skip_padding=True)
+        packing = Packing.of(src_pad_mask)
+        memory = self.encoder(src, src_pad_mask, packing)
+        return memory if packing is None else packing.unpack(memory)
 
     def start(self, src: Tensor, src_pad_mask: Tensor, need_attention: bool = False) -> TransformerSession:
         """Start decoding sources (B, S): encode them, take the session's plan (`self.plan`), and project the
         encoder output to every layer's cross-attention keys/values, once, in one matmul (the plan's stacked
-        W_K, W_V). With `need_attention` the session records every step's cross-attention weights."""
-        memory = self.encode(src, src_pad_mask)  # (B, S, D)
+        W_K, W_V). With `need_attention` the session records every step's cross-attention weights.
+
+        Only the real positions are encoded and projected; their keys and values are written straight into
+        the cache's layout, zeros at padding."""
+        packing = Packing.of(src_pad_mask)
+        memory = self.encoder(src, src_pad_mask, packing)  # (n, D), or (B, S, D) without padding
         plan = self.plan.session(memory)
-        packing = Packing.of(src_pad_mask)  # project the real positions only
-        real = memory if packing is None else packing.pack(memory)
-        kv = linear(real, *plan.cross_kv)  # (B, S, L * 2D) or (n, L * 2D)
-        kv = kv if packing is None else packing.unpack(kv)
-        B, S, _ = memory.shape
+        kv = linear(memory, *plan.cross_kv)  # (n, L * 2D) or (B, S, L * 2D)
+        B, S = src.shape
         L, H = len(self.decoder.layers), self.decoder.cross_attentions()[0].n_heads
-        cross = kv.view(B, S, L, 2, H, -1).permute(2, 3, 0, 4, 1, 5).contiguous()  # (L, 2, B, H, S, Dh)
-        return TransformerSession(self.decoder, DecoderCache(cross, attention_mask(src_pad_mask), plan), need_attention)
+        if packing is None:
+            cross = kv.view(B, S, L, 2, H, -1).permute(2, 3, 0, 4, 1, 5).contiguous()  # (L, 2, B, H, S, Dh)
+        else:
+            cross = kv.new_zeros(L, 2, B, H, S, kv.shape[-1] // (2 * L * H))
+            packing.unpack_into(kv.view(-1, L, 2, H, cross.shape[-1]), cross.permute(2, 4, 0, 1, 3, 5))
+        cache = DecoderCache(cross, attention_mask(src_pad_mask), plan, self.plan.spare_for(cross))
+        return TransformerSession(self.decoder, cache, need_attention)
 
     @property
     def max_positions(self) -> int:
