@@ -101,8 +101,28 @@ class Packing:
 
     def unpack_into(self, x: Tensor, out: Tensor) -> None:
         """Write x (n, ...) at the real positions of `out` (B, S, ...), a view in any layout (padding untouched)."""
+        out.index_put_(self.positions(), x)
+
+    def pack_from(self, x: Tensor) -> Tensor:
+        """(B, S, ...), a view in any layout -> (n, ...), contiguous."""
+        return x[self.positions()]
+
+    def positions(self) -> tuple[Tensor, Tensor]:
+        """The sentence and the position of each real position, (n,) each."""
         sentence = self.rows.div(self.length, rounding_mode="floor")
-        out.index_put_((sentence, self.rows - sentence * self.length), x)
+        return sentence, self.rows - sentence * self.length
+
+    def key_bias(self, n_heads: int, dtype: torch.dtype) -> Tensor:
+        """The padding as an additive bias (B * H, 1, S): 0 at real positions, -inf at padding."""
+        pad = torch.ones(self.batch * self.length, dtype=torch.bool, device=self.rows.device)
+        pad[self.rows] = False
+        bias = torch.zeros(self.batch, 1, self.length, dtype=dtype, device=pad.device)
+        bias.masked_fill_(pad.view(self.batch, 1, self.length), float("-inf"))
+        return bias.expand(self.batch, n_heads, self.length).reshape(self.batch * n_heads, 1, self.length)
+
+
+def _is_additive(mask: Tensor | None) -> bool:
+    return mask is not None and mask.is_floating_point()
 
 
 def attention_weights(q: Tensor, k: Tensor, mask: Tensor) -> Tensor:
@@ -186,6 +206,12 @@ class MultiHeadAttention(nn.Module):
             heads = self.long(q, k, v, mask[:, 0, 0, :], dropout, self.relative)
         elif self.relative is not None:  # Shaw et al.'s attention, spelled out
             heads = self.relative.attend(q, k, v, start, mask, causal, dropout)
+        elif (
+            packing is not None and not causal and dropout == 0.0 and q.device.type == "cpu" and not _is_additive(mask)
+        ):
+            # an encoder pass for decoding on the CPU: two batched matmuls, as a decoding step's, beat the
+            # fused kernel at a sentence's few dozen queries (about 1.9 ms against 1.1 a layer, 64 sentences)
+            heads = decode_attention(q, k, v, packing.key_bias(self.n_heads, q.dtype))
         else:
             heads = attention_heads(q, k, v, mask, causal, dropout, cache)
         return self.merge_heads(heads, packing, cache)
@@ -233,13 +259,20 @@ class MultiHeadAttention(nn.Module):
     def project_self(
         self, x: Tensor, packing: Packing | None = None, cache: StepCache | None = None
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """Queries, keys and values of `x` (B, L, D), or of its real positions (n, D), each (B, H, L, Dh)."""
+        """Queries, keys and values of `x` (B, L, D), or of its real positions (n, D), each (B, H, L, Dh); from
+        real positions, written straight into head-major tensors, zeros at padding."""
         if cache is None:
             qkv = linear(x, self.in_proj.weight, self.in_proj.bias)
         else:
             qkv = cache.plan.linear(self.in_proj)(x)
-        q, k, v = (qkv if packing is None else packing.unpack(qkv)).chunk(3, dim=-1)
-        return self.split_heads(q), self.split_heads(k), self.split_heads(v)
+        if packing is None:
+            q, k, v = qkv.chunk(3, dim=-1)
+            return self.split_heads(q), self.split_heads(k), self.split_heads(v)
+        H = self.n_heads
+        heads = qkv.new_zeros(3, packing.batch, H, packing.length, self.d_model // H)  # (3, B, H, L, Dh)
+        packing.unpack_into(qkv.view(-1, 3, H, self.d_model // H), heads.permute(1, 3, 0, 2, 4))
+        q, k, v = heads.unbind(0)
+        return q, k, v
 
     def query_weights(self) -> tuple[Tensor, Tensor]:
         """W_Q (D, D) and b_Q (D,): views of in_proj."""
@@ -257,7 +290,10 @@ class MultiHeadAttention(nn.Module):
     def merge_heads(self, out: Tensor, packing: Packing | None = None, cache: StepCache | None = None) -> Tensor:
         """(B, H, T, Dh) -> W_O applied to the concatenated heads, (B, T, D), or (n, D) at the packed positions;
         in a decoding step, W_O as the session's plan runs it."""
-        heads = concat_heads(out) if packing is None else packing.pack(concat_heads(out))
+        if packing is None:
+            heads = concat_heads(out)
+        else:
+            heads = packing.pack_from(out.transpose(1, 2)).flatten(1)  # (n, H * Dh)
         if cache is None:
             return linear(heads, self.out_proj.weight, self.out_proj.bias)
         return cache.plan.linear(self.out_proj)(heads)
