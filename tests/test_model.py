@@ -456,7 +456,7 @@ def test_beam_reorders_move_no_keys_and_every_step_still_equals_the_full_pass(na
 @torch.no_grad()
 def test_sessions_reuse_one_block_for_their_keys_and_never_share_it() -> None:
     """A session's self-attention keys/values go into the block the last finished session held (the model's
-    `SpareBuffer`); two sessions alive at once never share one; every step still equals the full pass; and a
+    `SpareBlocks`); two sessions alive at once never share one; every step still equals the full pass; and a
     session's cache is freed as soon as nothing refers to it (no reference cycle keeps it)."""
     model = tiny_model(**variant("post")).eval()
     assert isinstance(model, Seq2SeqTransformer)

@@ -85,11 +85,6 @@ class Packing:
         self.batch, self.length = pad_mask.shape
         self.rows = (~pad_mask).flatten().nonzero().squeeze(1)  # (n,) indices into the B * S positions
 
-    @staticmethod
-    def of(pad_mask: Tensor) -> Packing | None:
-        """The packing of a batch with padding; None when there is none to skip."""
-        return Packing(pad_mask) if bool(pad_mask.any()) else None
-
     def pack(self, x: Tensor) -> Tensor:
         """(B, S, ...) -> (n, ...)."""
         return x.reshape(self.batch * self.length, *x.shape[2:]).index_select(0, self.rows)

@@ -150,7 +150,16 @@ class DecoderCache:
     CHUNK = 16
     KEEP_DROPPED = 0.25  # compact once more than this fraction of the stored rows is dropped
 
-    def __init__(self, cross: Tensor, cross_mask: Tensor, plan: StepPlan, spare: SpareBuffer | None = None) -> None:
+    def __init__(
+        self,
+        cross: Tensor,
+        cross_mask: Tensor,
+        plan: StepPlan,
+        spare: SpareBlocks | None = None,
+        held: dict[str, Tensor] | None = None,
+    ) -> None:
+        """`spare`: where this session's large tensors come from and go back to (None: fresh memory each);
+        `held`: the blocks of it that `cross` views already, by use."""
         self.plan = plan  # how this session's steps run: not data, and no step changes it
         self.cross = cross  # (L, 2, G, H, S, Dh)
         self.cross_mask = cross_mask  # (G, 1, 1, S) True where attention is allowed
@@ -161,10 +170,10 @@ class DecoderCache:
         self.ancestry: Tensor | None = None  # (G, group, n) slot of each row's keys per position; None: its own
         self._self_bias: tuple[tuple[int, int, torch.dtype], Tensor | None] | None = None
         self._cross_bias: Tensor | None = None
-        self.spare = spare  # where self_kv comes from and goes back to (`SpareBuffer`); None: fresh memory
-        self._held = HeldBuffer()  # the whole block self_kv views, given back to `spare` when this cache ends
+        self.spare = spare
+        self._held = dict(held or {})  # the blocks cross and self_kv view, by use, given back when this cache ends
         if spare is not None:
-            weakref.finalize(self, spare.give, self._held)
+            weakref.finalize(self, spare.give_all, self._held)
 
     @property
     def layers(self) -> list[LayerCache]:
@@ -205,7 +214,8 @@ class DecoderCache:
         block, grown = self._new_buffer(like, (self.cross.shape[0], 2, P // self.group, H, capacity, self.group, Dh))
         if kv is not None:
             grown[:, :, :, :, : self.step] = kv[:, :, :, :, : self.step]
-        self._replace(block, grown)
+        self.self_kv = grown
+        self._hold(SELF, block)
         return grown
 
     def full_ancestry(self, end: int) -> Tensor:
@@ -308,6 +318,7 @@ class DecoderCache:
             self.cross = self.cross.index_select(2, sources)
             self.cross_mask = self.cross_mask.index_select(0, sources)
             self._cross_bias = None
+            self._hold(CROSS, None)
 
     def _may_skip(self, rows: Tensor) -> bool:
         """Whether `rows` (stored rows to keep) can stay a map: each row once, in order, and most of them."""
@@ -352,22 +363,21 @@ class DecoderCache:
             where = where * K + slot.view(-1, group, step).transpose(1, 2)[:, None]
             picked = kv.view(L * 2, -1, Dh).index_select(1, where.flatten())  # whole Dh rows, copied as such
             copied[:, :, :, :, :step] = picked.view(L, 2, n // group, H, step, group, Dh)
-        self._replace(block, copied)
+        self.self_kv = copied
+        self._hold(SELF, block)
 
     def _new_buffer(self, like: Tensor, shape: tuple[int, ...]) -> tuple[Tensor, Tensor]:
-        """An uninitialised tensor of `shape` for self_kv, and the block of memory it views: the spare block
-        when this cache has a `spare` and it fits, else a new one."""
-        numel = math.prod(shape)
-        block = like.new_empty(numel) if self.spare is None else self.spare.take(like, numel)
-        return block, block[:numel].view(shape)
+        """An uninitialised tensor of `shape` for self_kv, and the block of memory it views (`SpareBlocks.view`)."""
+        return SpareBlocks.view(self.spare, SELF, like, shape)
 
-    def _replace(self, block: Tensor, buffer: Tensor) -> None:
-        """self_kv becomes `buffer`, a view of `block` (`_new_buffer`); the block self_kv viewed until now goes
+    def _hold(self, use: str, block: Tensor | None) -> None:
+        """The tensor of `use` now views `block` (None: memory of its own); the block it viewed until now goes
         back to `spare`."""
-        self.self_kv = buffer
-        old, self._held.block = self._held.block, block
-        if self.spare is not None:
-            self.spare.give(HeldBuffer(old))
+        old = self._held.pop(use, None)
+        if block is not None:
+            self._held[use] = block
+        if self.spare is not None and old is not None:
+            self.spare.give(use, old)
 
     def cross_bias(self, like: Tensor) -> Tensor:
         """cross_mask as an additive bias (G * H, 1, S): 0 where attention is allowed, -inf at padding.
@@ -382,58 +392,67 @@ class DecoderCache:
         return self._cross_bias
 
 
-@dataclass
-class HeldBuffer:
-    """The block of memory a cache's self_kv views (None: none yet)."""
-
-    block: Tensor | None = None
+SELF, CROSS = "self", "cross"  # the uses of a session's large tensors: self_kv, cross (`SpareBlocks`)
 
 
-class SpareBuffer:
-    """One block of CPU memory kept between a model's decoding sessions for their self-attention keys/values.
+class SpareBlocks:
+    """Blocks of CPU memory kept between a model's decoding sessions: one for the self-attention keys/values
+    (`SELF`), one for the cross-attention ones (`CROSS`).
 
     PyTorch's CPU tensors come from malloc, which maps a block of more than
-    32 MB afresh for each allocation and unmaps it when it is freed, and may
-    do the same with smaller ones: every 4 KB page a session then writes costs
-    a page fault. A Transformer's cache is written a position at a time in
-    every (sentence, head) slice, so each step that crosses into a new page
-    paid for a page per slice (1,536 faults, about 2 ms, at steps 0, 16 and 32
-    of a 64-sentence batch of the 3+3-layer d256 model; 20,000 faults in a
-    beam-5 batch). A session takes the spare block (no other session can
-    hold it meanwhile), and its cache gives back the block it held when it
-    replaces it or ends (`DecoderCache`). One block is kept, the largest given
-    back; `DecodingPlan` owns it and drops it with the packed weights.
+    32 MB afresh for each allocation and unmaps it when it is freed, and
+    often returns smaller ones to the system too: every 4 KB page a session
+    then writes costs a page fault. A Transformer's cache is written a
+    position at a time in every (sentence, head) slice, so each step that
+    crossed into a new page paid for a page per slice (1,536 faults, about
+    2 ms, at steps 0, 16 and 32 of a 64-sentence batch of the 3+3-layer d256
+    model; 20,000 faults in a beam-5 batch). A session takes a spare block (no
+    other session can hold it meanwhile), and its cache gives back each block
+    it held when it replaces it or ends (`DecoderCache`). One block a use is
+    kept, the largest given back; `DecodingPlan` owns them and drops them with
+    the packed weights.
     """
 
     def __init__(self) -> None:
-        self._block: Tensor | None = None
+        self._blocks: dict[str, Tensor] = {}
         self._lock = threading.Lock()
 
-    def take(self, like: Tensor, numel: int) -> Tensor:
-        """A flat block of at least `numel` elements of like's dtype and device: the spare one if it fits and is
-        at most twice that (a beam's first step, one row per sentence, leaves the spare to its expansion)."""
+    def take(self, use: str, like: Tensor, numel: int) -> Tensor:
+        """A flat block of at least `numel` elements of like's dtype and device: the spare one of `use` if it
+        fits and is at most twice that (a beam's first step, one row per sentence, leaves the spare to its
+        expansion), else a new one."""
         with self._lock:
-            block = self._block
+            block = self._blocks.get(use)
             if block is not None and numel <= block.numel() <= 2 * numel and _alike(block, like):
-                self._block = None
-                return block
+                return self._blocks.pop(use)
         return like.new_empty(numel)
 
-    def give(self, held: HeldBuffer) -> None:
-        """Keep `held`'s block as the spare, unless the spare now is larger."""
-        block, held.block = held.block, None
-        if block is None:
-            return
+    @staticmethod
+    def view(spare: SpareBlocks | None, use: str, like: Tensor, shape: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+        """A block for `use` (`take`; fresh memory without `spare`) and an uninitialised tensor of `shape`
+        viewing it."""
+        numel = math.prod(shape)
+        block = like.new_empty(numel) if spare is None else spare.take(use, like, numel)
+        return block, block[:numel].view(shape)
+
+    def give(self, use: str, block: Tensor) -> None:
+        """Keep `block` as the spare of `use`, unless the spare now is larger."""
         with self._lock:
-            if self._block is None or self._block.numel() < block.numel():
-                self._block = block
+            kept = self._blocks.get(use)
+            if kept is None or kept.numel() < block.numel():
+                self._blocks[use] = block
+
+    def give_all(self, held: dict[str, Tensor]) -> None:
+        """Give back every block of `held` (a finished cache's), emptying it."""
+        while held:
+            self.give(*held.popitem())
 
     def clear(self) -> None:
         with self._lock:
-            self._block = None
+            self._blocks.clear()
 
-    def __reduce__(self) -> tuple[type[SpareBuffer], tuple[()]]:
-        return SpareBuffer, ()  # a copy or a pickle keeps memory of its own: none to begin with
+    def __reduce__(self) -> tuple[type[SpareBlocks], tuple[()]]:
+        return SpareBlocks, ()  # a copy or a pickle keeps memory of its own: none to begin with
 
 
 def _alike(block: Tensor, like: Tensor) -> bool:

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from seq2seq.config import ModelConfig
 from seq2seq.errors import ConfigError
 from seq2seq.model.attention import MultiHeadAttention, Packing, attention_mask
-from seq2seq.model.cache import DecoderCache, LayerCache, SpareBuffer
+from seq2seq.model.cache import CROSS, DecoderCache, LayerCache, SpareBlocks
 from seq2seq.model.embedding import Embedding, output_layer, token_embeddings
 from seq2seq.model.embedding import sinusoidal_table as sinusoidal_table  # tests import it from here
 from seq2seq.model.layers import DecoderLayer, EncoderLayer, FeedForward, LayerOptions
@@ -179,7 +179,7 @@ class DecodingPlan:
         self.quantize = quantize
         self.pack = pack and onednn_available()
         self._packed: tuple[ParameterKey, StepPlan] | None = None
-        self.spare = SpareBuffer()  # the self-attention keys/values' memory, kept between CPU sessions
+        self.spare = SpareBlocks()  # the caches' memory, kept between CPU sessions
 
     def session(self, memory: Tensor) -> StepPlan:
         """The plan of the session that starts now, over the encoder output `memory` (..., D)."""
@@ -220,9 +220,9 @@ class DecodingPlan:
         """Whether packed copies of the weights are kept now (the last batch on CPU float32 ran with them)."""
         return self._packed is not None
 
-    def spare_for(self, like: Tensor) -> SpareBuffer | None:
-        """Where a session's self-attention keys/values come from: the kept block on the CPU (`SpareBuffer`);
-        None elsewhere (CUDA's caching allocator keeps freed memory already)."""
+    def spare_for(self, like: Tensor) -> SpareBlocks | None:
+        """Where a session's large tensors come from: the kept blocks on the CPU (`SpareBlocks`); None
+        elsewhere (CUDA's caching allocator keeps freed memory already)."""
         return self.spare if like.device.type == "cpu" else None
 
     def invalidate(self) -> None:
@@ -319,10 +319,11 @@ class Seq2SeqTransformer(nn.Module):
     # Decoding: a session per batch of sources (seq2seq.model.session).
 
     def encode(self, src: Tensor, src_pad_mask: Tensor) -> Tensor:
-        """The encoder output (B, S, D), computed at the real positions only (zeros at padding)."""
-        packing = Packing.of(src_pad_mask)
-        memory = self.encoder(src, src_pad_mask, packing)
-        return memory if packing is None else packing.unpack(memory)
+        """The encoder output (B, S, D), computed at the real positions only (zeros at padding), as `start`
+        computes it: batches with and without padding take the same path (the same kernels, so a sentence
+        encodes alike in any batch)."""
+        packing = Packing(src_pad_mask)
+        return packing.unpack(self.encoder(src, src_pad_mask, packing))
 
     def start(self, src: Tensor, src_pad_mask: Tensor, need_attention: bool = False) -> TransformerSession:
         """Start decoding sources (B, S): encode them, take the session's plan (`self.plan`), and project the
@@ -331,18 +332,18 @@ class Seq2SeqTransformer(nn.Module):
 
         Only the real positions are encoded and projected; their keys and values are written straight into
         the cache's layout, zeros at padding."""
-        packing = Packing.of(src_pad_mask)
-        memory = self.encoder(src, src_pad_mask, packing)  # (n, D), or (B, S, D) without padding
+        packing = Packing(src_pad_mask)  # with padding or without: the same path (see `encode`)
+        memory = self.encoder(src, src_pad_mask, packing)  # (n, D)
         plan = self.plan.session(memory)
-        kv = linear(memory, *plan.cross_kv)  # (n, L * 2D) or (B, S, L * 2D)
+        kv = linear(memory, *plan.cross_kv)  # (n, L * 2D)
         B, S = src.shape
         L, H = len(self.decoder.layers), self.decoder.cross_attentions()[0].n_heads
-        if packing is None:
-            cross = kv.view(B, S, L, 2, H, -1).permute(2, 3, 0, 4, 1, 5).contiguous()  # (L, 2, B, H, S, Dh)
-        else:
-            cross = kv.new_zeros(L, 2, B, H, S, kv.shape[-1] // (2 * L * H))
-            packing.unpack_into(kv.view(-1, L, 2, H, cross.shape[-1]), cross.permute(2, 4, 0, 1, 3, 5))
-        cache = DecoderCache(cross, attention_mask(src_pad_mask), plan, self.plan.spare_for(cross))
+        Dh = kv.shape[-1] // (2 * L * H)
+        spare = self.plan.spare_for(kv)
+        block, cross = SpareBlocks.view(spare, CROSS, kv, (L, 2, B, H, S, Dh))
+        cross.zero_()
+        packing.unpack_into(kv.view(-1, L, 2, H, Dh), cross.permute(2, 4, 0, 1, 3, 5))
+        cache = DecoderCache(cross, attention_mask(src_pad_mask), plan, spare, {CROSS: block})
         return TransformerSession(self.decoder, cache, need_attention)
 
     @property
