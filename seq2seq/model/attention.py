@@ -380,7 +380,8 @@ def grouped_step_attention(
     P, H, T, Dh = q.shape
     K = step.group
     G = P // K
-    queries = q.view(G, K, H, T, Dh).transpose(1, 2).reshape(G, H, K * T, Dh)
+    # (G, H, K * T, Dh): a source's queries together; with one row per source, q itself
+    queries = q if K == 1 else q.view(G, K, H, T, Dh).transpose(1, 2).reshape(G, H, K * T, Dh)
     bias = step.bias  # (G, 1, K * T, Lk * K) or None
     if mask is not None:
         assert mask.is_floating_point() and mask.shape[0] == 1
@@ -397,7 +398,7 @@ def grouped_step_attention(
         heads = decode_attention(queries, step.keys, step.values, flat)
     else:
         heads = F.scaled_dot_product_attention(queries, step.keys, step.values, attn_mask=bias)
-    return heads.view(G, H, K, T, Dh).transpose(1, 2).reshape(P, H, T, Dh)
+    return heads if K == 1 else heads.view(G, H, K, T, Dh).transpose(1, 2).reshape(P, H, T, Dh)
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None = None) -> Tensor:
