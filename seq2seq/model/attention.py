@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from seq2seq.model.cache import LayerCache, SelfAttentionCache, StepCache, StepKeys
+from seq2seq.model.cache import LayerCache, SelfAttentionCache, StepCache, StepKeys, key_padding_bias
 from seq2seq.model.linear import linear
 from seq2seq.model.long_attention import LongAttention
 from seq2seq.model.packed import plain_linear
@@ -83,6 +83,7 @@ class Packing:
 
     def __init__(self, pad_mask: Tensor) -> None:
         self.batch, self.length = pad_mask.shape
+        self.pad_mask = pad_mask  # (B, S) True at padding
         self.rows = (~pad_mask).flatten().nonzero().squeeze(1)  # (n,) indices into the B * S positions
 
     def pack(self, x: Tensor) -> Tensor:
@@ -109,11 +110,7 @@ class Packing:
 
     def key_bias(self, n_heads: int, dtype: torch.dtype) -> Tensor:
         """The padding as an additive bias (B * H, 1, S): 0 at real positions, -inf at padding."""
-        pad = torch.ones(self.batch * self.length, dtype=torch.bool, device=self.rows.device)
-        pad[self.rows] = False
-        bias = torch.zeros(self.batch, 1, self.length, dtype=dtype, device=pad.device)
-        bias.masked_fill_(pad.view(self.batch, 1, self.length), float("-inf"))
-        return bias.expand(self.batch, n_heads, self.length).reshape(self.batch * n_heads, 1, self.length)
+        return key_padding_bias(~self.pad_mask, n_heads, dtype)
 
 
 def _is_additive(mask: Tensor | None) -> bool:

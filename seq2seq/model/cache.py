@@ -386,10 +386,16 @@ class DecoderCache:
         """
         G, H = like.shape[:2]
         if self._cross_bias is None or self._cross_bias.shape[0] != G * H or self._cross_bias.dtype != like.dtype:
-            bias = torch.zeros(self.cross_mask.shape, dtype=like.dtype, device=like.device)
-            bias.masked_fill_(~self.cross_mask, float("-inf"))  # (G, 1, 1, S)
-            self._cross_bias = bias.expand(G, H, 1, -1).reshape(G * H, 1, -1)
+            self._cross_bias = key_padding_bias(self.cross_mask[:, 0, 0], H, like.dtype)
         return self._cross_bias
+
+
+def key_padding_bias(allowed: Tensor, n_heads: int, dtype: torch.dtype) -> Tensor:
+    """A key mask (B, S), True where attention is allowed, as an additive bias (B * H, 1, S) for every head's
+    queries: 0 where allowed, -inf at padding."""
+    B, S = allowed.shape
+    bias = torch.zeros(B, 1, S, dtype=dtype, device=allowed.device).masked_fill_(~allowed[:, None], float("-inf"))
+    return bias.expand(B, n_heads, S).reshape(B * n_heads, 1, S)
 
 
 SELF, CROSS = "self", "cross"  # the uses of a session's large tensors: self_kv, cross (`SpareBlocks`)
