@@ -22,6 +22,7 @@ from torch.nn.attention import SDPBackend
 
 from seq2seq.config import DecoderOnlyConfig, RNNConfig
 from seq2seq.model import MultiHeadAttention, Seq2SeqModel, build_model, kernel_scope, training_kernel
+from seq2seq.model.cache import HEADS
 from seq2seq.model.packed import onednn_available
 from seq2seq.model.plan import CPU_KERNEL, FUSED_KERNEL
 from seq2seq.model.rnn import Encoded
@@ -494,6 +495,30 @@ def test_a_block_made_in_inference_mode_is_not_written_outside_it() -> None:
         decode_incrementally(model, src, mask, tgt)
     with torch.no_grad():
         torch.testing.assert_close(decode_incrementally(model, src, mask, tgt), model(src, mask, tgt), **CLOSE)
+
+
+@pytest.mark.parametrize("name", ["post", "pre", "rope", "relative"])
+def test_the_encoder_pass_for_decoding_reuses_one_heads_block_and_clears_its_padding(name: str) -> None:
+    """The encoder pass that starts decoding writes every layer's queries, keys and values into one tensor from
+    the model's kept memory (`Packing.heads`): a block left full of NaN by anything before is reused, its
+    padding zeroed, and the output still equals the padded encoder's at every real position. With autograd,
+    the layers keep tensors of their own and gradients flow."""
+    model = tiny_model(**variant(name)).eval()
+    assert isinstance(model, Seq2SeqTransformer)
+    src, mask = source_batch()
+    with torch.no_grad():
+        expected = model.encoder(src, mask).masked_fill(mask[:, :, None], 0.0)
+        first = model.encode(src, mask)
+        block = model.plan.spare._blocks[HEADS]
+        block.fill_(float("nan"))
+        second = model.encode(src, mask)
+        assert model.plan.spare._blocks[HEADS].data_ptr() == block.data_ptr()
+    torch.testing.assert_close(first, expected, **CLOSE)
+    torch.testing.assert_close(second, expected, **CLOSE)
+    model.zero_grad()
+    model.encode(src, mask).sum().backward()
+    grads = [p.grad for p in model.encoder.parameters() if p.grad is not None]
+    assert grads and all(bool(g.isfinite().all()) for g in grads)
 
 
 def test_decoding_follows_the_weights_after_training_updates() -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -24,7 +25,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from seq2seq.model.cache import LayerCache, SelfAttentionCache, StepCache, StepKeys, key_padding_bias
+from seq2seq.model.cache import (
+    HEADS,
+    LayerCache,
+    SelfAttentionCache,
+    SpareBlocks,
+    StepCache,
+    StepKeys,
+    alike,
+    key_padding_bias,
+)
 from seq2seq.model.linear import linear
 from seq2seq.model.long_attention import LongAttention
 from seq2seq.model.packed import plain_linear
@@ -76,15 +86,23 @@ def attention_mask(pad_mask: Tensor) -> Tensor:
 class Packing:
     """The real (non-padding) positions of a (B, S) batch, for computing position-wise layers on them only.
 
-    A batch of sentences of mixed lengths can be mostly padding; the projections,
-    feed-forward networks and norms then run on the n real positions (n, ...)
-    and only attention sees the padded (B, S, ...) layout.
+    A batch of sentences of mixed lengths can be mostly padding; the embedding,
+    projections, feed-forward networks and norms then run on the n real
+    positions (n, ...) and only attention sees the padded (B, S, ...) layout.
+
+    Decoding starts with an encoder pass of this kind; its layers' head-major
+    queries, keys and values (`heads`) then share one tensor, from `spare`
+    (the model's kept memory, `SpareBlocks`) when given.
     """
 
-    def __init__(self, pad_mask: Tensor) -> None:
+    def __init__(self, pad_mask: Tensor, spare: SpareBlocks | None = None) -> None:
         self.batch, self.length = pad_mask.shape
         self.pad_mask = pad_mask  # (B, S) True at padding
         self.rows = (~pad_mask).flatten().nonzero().squeeze(1)  # (n,) indices into the B * S positions
+        sentence = self.rows.div(self.length, rounding_mode="floor")
+        self.positions = (sentence, self.rows - sentence * self.length)  # each real position's (sentence, position)
+        self.spare = spare
+        self._heads: Tensor | None = None
 
     def pack(self, x: Tensor) -> Tensor:
         """(B, S, ...) -> (n, ...)."""
@@ -97,16 +115,33 @@ class Packing:
 
     def unpack_into(self, x: Tensor, out: Tensor) -> None:
         """Write x (n, ...) at the real positions of `out` (B, S, ...), a view in any layout (padding untouched)."""
-        out.index_put_(self.positions(), x)
+        out.index_put_(self.positions, x)
 
     def pack_from(self, x: Tensor) -> Tensor:
         """(B, S, ...), a view in any layout -> (n, ...), contiguous."""
-        return x[self.positions()]
+        return x[self.positions]
 
-    def positions(self) -> tuple[Tensor, Tensor]:
-        """The sentence and the position of each real position, (n,) each."""
-        sentence = self.rows.div(self.length, rounding_mode="floor")
-        return sentence, self.rows - sentence * self.length
+    def heads(self, like: Tensor, n_heads: int, head_dim: int) -> Tensor:
+        """A (3, B, H, S, Dh) tensor of like's dtype and device for a layer's queries, keys and values, zeros at
+        padding (`unpack_into` writes the real positions).
+
+        Without autograd, every layer of the pass gets the same one: a layer's are dead once it has attended,
+        and the padding stays zero because only real positions are ever written. It comes from `spare` and
+        goes back to it when this packing is gone; the first tensor of 8 MB that a 64-sentence batch of the
+        3+3-layer d256 model allocated afresh cost 2,000 page faults, and every layer zeroed its own. With
+        autograd (which keeps each layer's for backward), each gets a new one.
+        """
+        shape = (3, self.batch, n_heads, self.length, head_dim)
+        kept = self._heads
+        if torch.is_grad_enabled() or (kept is not None and (kept.shape != shape or not alike(kept, like))):
+            return like.new_zeros(shape)
+        if kept is None:
+            block, kept = SpareBlocks.view(self.spare, HEADS, like, shape)
+            kept.zero_()
+            self._heads = kept
+            if self.spare is not None:
+                weakref.finalize(self, self.spare.give, HEADS, block)
+        return kept
 
     def key_bias(self, n_heads: int, dtype: torch.dtype) -> Tensor:
         """The padding as an additive bias (B * H, 1, S): 0 at real positions, -inf at padding."""
@@ -261,7 +296,7 @@ class MultiHeadAttention(nn.Module):
             q, k, v = qkv.chunk(3, dim=-1)
             return self.split_heads(q), self.split_heads(k), self.split_heads(v)
         H = self.n_heads
-        heads = qkv.new_zeros(3, packing.batch, H, packing.length, self.d_model // H)  # (3, B, H, L, Dh)
+        heads = packing.heads(qkv, H, self.d_model // H)  # (3, B, H, L, Dh)
         packing.unpack_into(qkv.view(-1, 3, H, self.d_model // H), heads.permute(1, 3, 0, 2, 4))
         q, k, v = heads.unbind(0)
         return q, k, v

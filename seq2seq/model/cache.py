@@ -398,12 +398,13 @@ def key_padding_bias(allowed: Tensor, n_heads: int, dtype: torch.dtype) -> Tenso
     return bias.expand(B, n_heads, S).reshape(B * n_heads, 1, S)
 
 
-SELF, CROSS = "self", "cross"  # the uses of a session's large tensors: self_kv, cross (`SpareBlocks`)
+SELF, CROSS, HEADS = "self", "cross", "heads"  # the uses of kept blocks: self_kv, cross, `Packing.heads`
 
 
 class SpareBlocks:
     """Blocks of CPU memory kept between a model's decoding sessions: one for the self-attention keys/values
-    (`SELF`), one for the cross-attention ones (`CROSS`).
+    (`SELF`), one for the cross-attention ones (`CROSS`), one for the encoder pass's head-major queries, keys
+    and values (`HEADS`, `seq2seq.model.attention.Packing.heads`).
 
     PyTorch's CPU tensors come from malloc, which maps a block of more than
     32 MB afresh for each allocation and unmaps it when it is freed, and
@@ -429,7 +430,7 @@ class SpareBlocks:
         expansion), else a new one."""
         with self._lock:
             block = self._blocks.get(use)
-            if block is not None and numel <= block.numel() <= 2 * numel and _alike(block, like):
+            if block is not None and numel <= block.numel() <= 2 * numel and alike(block, like):
                 return self._blocks.pop(use)
         return like.new_empty(numel)
 
@@ -461,7 +462,7 @@ class SpareBlocks:
         return SpareBlocks, ()  # a copy or a pickle keeps memory of its own: none to begin with
 
 
-def _alike(block: Tensor, like: Tensor) -> bool:
+def alike(block: Tensor, like: Tensor) -> bool:
     """Whether `block` may hold like's data now: same dtype and device, and writable here (a block made in
     inference mode can be written only in inference mode)."""
     writable = not block.is_inference() or torch.is_inference_mode_enabled()

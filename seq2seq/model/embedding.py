@@ -52,10 +52,22 @@ class Embedding(nn.Module):
         """ids: (B, L) at positions start .. start+L-1 -> (B, L, D); or at each row's own `positions` (B, L),
         none beyond start+L-1 (a decoder-only model's right-aligned sources, seq2seq.model.decoder_only)."""
         length = ids.shape[1]
-        if start + length > self.max_positions:
-            raise ValueError(f"sequence of {start + length} positions exceeds model.max_positions={self.max_positions}")
+        self.check_length(start + length)
+        return self.embed(ids, slice(start, start + length) if positions is None else positions)
+
+    def at(self, ids: Tensor, positions: Tensor, length: int) -> Tensor:
+        """ids (n,), the real tokens of sequences of `length` positions, each at its own position (n,) ->
+        (n, D): a packed batch's (seq2seq.model.attention.Packing), the same values as its padded one's."""
+        self.check_length(length)
+        return self.embed(ids, positions)
+
+    def check_length(self, length: int) -> None:
+        if length > self.max_positions:
+            raise ValueError(f"sequence of {length} positions exceeds model.max_positions={self.max_positions}")
+
+    def embed(self, ids: Tensor, where: slice | Tensor) -> Tensor:
+        """The embeddings of ids (...) at positions `where` (a slice or an index tensor of ids' shape)."""
         x = self.tokens(ids) * self.scale
-        where = slice(start, start + length) if positions is None else positions
         if self.positions is not None:
             x = x + self.positions.weight[where]
         elif self.table is not None:

@@ -64,9 +64,10 @@ class Encoder(nn.Module):
         mask = attention_mask(src_pad_mask)  # (B, 1, 1, S)
         if self.position_bias is not None:  # additive (B, H, S, S), once for every layer
             mask = self.position_bias(0, src.shape[1], src.shape[1], mask)
-        x = self.embedding(src)  # (B, S, D)
-        if packing is not None:
-            x = packing.pack(x)  # (n, D)
+        if packing is None:
+            x = self.embedding(src)  # (B, S, D)
+        else:  # the real tokens only, each at its position in its sentence
+            x = self.embedding.at(packing.pack(src), packing.positions[1], src.shape[1])  # (n, D)
         for layer in self.layers:
             x = layer(x, mask, packing)
         return self.final_norm(x)
@@ -322,7 +323,7 @@ class Seq2SeqTransformer(nn.Module):
         """The encoder output (B, S, D), computed at the real positions only (zeros at padding), as `start`
         computes it: batches with and without padding take the same path (the same kernels, so a sentence
         encodes alike in any batch)."""
-        packing = Packing(src_pad_mask)
+        packing = Packing(src_pad_mask, self.plan.spare_for(src))
         return packing.unpack(self.encoder(src, src_pad_mask, packing))
 
     def start(self, src: Tensor, src_pad_mask: Tensor, need_attention: bool = False) -> TransformerSession:
@@ -332,14 +333,14 @@ class Seq2SeqTransformer(nn.Module):
 
         Only the real positions are encoded and projected; their keys and values are written straight into
         the cache's layout, zeros at padding."""
-        packing = Packing(src_pad_mask)  # with padding or without: the same path (see `encode`)
+        spare = self.plan.spare_for(src)
+        packing = Packing(src_pad_mask, spare)  # with padding or without: the same path (see `encode`)
         memory = self.encoder(src, src_pad_mask, packing)  # (n, D)
         plan = self.plan.session(memory)
         kv = linear(memory, *plan.cross_kv)  # (n, L * 2D)
         B, S = src.shape
         L, H = len(self.decoder.layers), self.decoder.cross_attentions()[0].n_heads
         Dh = kv.shape[-1] // (2 * L * H)
-        spare = self.plan.spare_for(kv)
         block, cross = SpareBlocks.view(spare, CROSS, kv, (L, 2, B, H, S, Dh))
         cross.zero_()
         packing.unpack_into(kv.view(-1, L, 2, H, Dh), cross.permute(2, 4, 0, 1, 3, 5))
