@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,14 @@ DEVICES = [
 ]
 TINY = ROOT / "configs" / "tiny.yaml"
 WORDS = "red blue green cat dog sun moon tree car house bird fish".split()
+
+
+# A shell starts a background job (`bash scripts/check.sh &`, `nohup ...`) with SIGINT ignored, and Python then
+# leaves it ignored in itself and in every process it starts: no Ctrl-C the tests send would arrive. So the test
+# processes (each xdist worker loads this file) take Python's own handler back, as if started from a terminal; the
+# processes they start then get SIGINT's default again (exec resets a handled signal).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 # Which tests train a model. Their outcomes move with the CPU's kernels, so `scripts/cpu_kinds.sh` runs them once
