@@ -764,8 +764,9 @@ class DecodeConfig(Section):
     valid_strategy: Literal["beam", "greedy"] = setting("greedy", "search used for validation BLEU")
     quantize: Literal["none", "int8"] = setting(
         "none",
-        "`int8`: the decoder's linear layers run in int8 on the CPU (weights quantized per output row when the model "
-        "is opened, inputs per row at every step; the checkpoint stays float32), not on CUDA nor for an RNN; a "
+        "`int8`: the encoder's and decoder's linear layers run in int8 on the CPU (weights quantized per output row "
+        "when the model is opened, inputs per row at every call; the checkpoint stays float32), not on CUDA nor for "
+        "an RNN; a "
         "CTranslate2 model loads with compute type int8; validation always decodes in float32",
     )
 

@@ -1,4 +1,4 @@
-"""`decode.quantize: int8`: the decoder's linears in int8 on the CPU, a decode-time change of a float32 model.
+"""`decode.quantize: int8`: the model's linears in int8 on the CPU, a decode-time change of a float32 model.
 
 int8 changes the numbers, so it is tested against float32 loosely (most translations of the trained tiny model
 the same) and against itself exactly where float32 is exact: a cached session against one started again for every
@@ -113,6 +113,34 @@ def test_int8_decoding_is_a_view_of_the_float32_model() -> None:
         assert not torch.equal(a, b)
         torch.testing.assert_close(a.log_softmax(-1), b.log_softmax(-1), atol=0.1, rtol=0.0)
     assert int8.start(src, mask).plan is int8.plan.session(int8.encode(src, mask))  # quantized once, kept
+
+
+@pytest.mark.parametrize("name", ["post", "pre", "post-learned-gelu-untied"])
+@torch.no_grad()
+def test_int8_encodes_in_int8_and_projects_the_cross_keys_in_int8(name: str) -> None:
+    """The encoder pass that starts an int8 session runs the encoder's linears in int8 (made once and kept while the
+    weights stay), and so does the projection of its output to the cross-attention keys and values: both close to
+    float32 and not equal to it, and a sentence encodes alike alone and in a batch (each row quantized alone)."""
+    model = tiny_model(**variant(name))
+    assert isinstance(model, Seq2SeqTransformer)
+    int8 = model.quantized("int8")
+    src, mask = source_batch()
+    memory, reference = int8.encode(src, mask), model.encode(src, mask)  # (B, S, D), zeros at padding
+    assert not torch.equal(memory, reference)
+    assert (memory - reference).abs().max() < 0.05 * reference.abs().max()
+    assert torch.equal(memory[mask], torch.zeros_like(memory[mask]))
+    for i in range(src.shape[0]):
+        length = int((~mask[i]).sum())
+        alone = int8.encode(src[i : i + 1, :length], mask[i : i + 1, :length])
+        assert torch.equal(alone[0], memory[i, :length])
+    assert int8.plan.encoder_linears() is int8.plan.encoder_linears() and model.plan.encoder_linears() == {}
+    plan = int8.plan.session(memory)
+    kv, float_kv = plan.memory(memory[~mask]), model.plan.session(memory).memory(memory[~mask])  # (n, L * 2D)
+    assert not torch.equal(kv, float_kv)
+    assert (kv - float_kv).abs().max() < 0.05 * float_kv.abs().max()
+    with torch.no_grad():
+        next(model.encoder.parameters()).add_(1.0)  # the weights change: the int8 copies are made again
+    assert not torch.equal(int8.encode(src, mask), memory)
 
 
 @pytest.mark.parametrize(

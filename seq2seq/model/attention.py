@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +37,7 @@ from seq2seq.model.cache import (
 )
 from seq2seq.model.linear import linear
 from seq2seq.model.long_attention import LongAttention
-from seq2seq.model.packed import plain_linear
+from seq2seq.model.packed import Linear, plain_linear
 from seq2seq.model.plan import CPU_KERNEL
 from seq2seq.model.positions import RelativePositions, RotaryPositions
 
@@ -95,14 +95,22 @@ class Packing:
     (the model's kept memory, `SpareBlocks`) when given.
     """
 
-    def __init__(self, pad_mask: Tensor, spare: SpareBlocks | None = None) -> None:
+    def __init__(
+        self, pad_mask: Tensor, spare: SpareBlocks | None = None, linears: Mapping[nn.Module, Linear] | None = None
+    ) -> None:
         self.batch, self.length = pad_mask.shape
         self.pad_mask = pad_mask  # (B, S) True at padding
         self.rows = (~pad_mask).flatten().nonzero().squeeze(1)  # (n,) indices into the B * S positions
         sentence = self.rows.div(self.length, rounding_mode="floor")
         self.positions = (sentence, self.rows - sentence * self.length)  # each real position's (sentence, position)
         self.spare = spare
+        self.linears = linears or {}  # the pass's own copies of the layers' linears (int8), by module
         self._heads: Tensor | None = None
+
+    def projection(self, module: nn.Linear) -> Linear:
+        """How the pass runs `module`: its own copy (`linears`), or the module's weights as `linear` runs them."""
+        own = self.linears.get(module)
+        return own if own is not None else plain_linear(module.weight, module.bias)
 
     def pack(self, x: Tensor) -> Tensor:
         """(B, S, ...) -> (n, ...)."""
@@ -288,10 +296,12 @@ class MultiHeadAttention(nn.Module):
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Queries, keys and values of `x` (B, L, D), or of its real positions (n, D), each (B, H, L, Dh); from
         real positions, written straight into head-major tensors, zeros at padding."""
-        if cache is None:
-            qkv = linear(x, self.in_proj.weight, self.in_proj.bias)
-        else:
+        if cache is not None:
             qkv = cache.plan.linear(self.in_proj)(x)
+        elif packing is not None:
+            qkv = packing.projection(self.in_proj)(x)
+        else:
+            qkv = linear(x, self.in_proj.weight, self.in_proj.bias)
         if packing is None:
             q, k, v = qkv.chunk(3, dim=-1)
             return self.split_heads(q), self.split_heads(k), self.split_heads(v)
@@ -321,9 +331,11 @@ class MultiHeadAttention(nn.Module):
             heads = concat_heads(out)
         else:
             heads = packing.pack_from(out.transpose(1, 2)).flatten(1)  # (n, H * Dh)
-        if cache is None:
-            return linear(heads, self.out_proj.weight, self.out_proj.bias)
-        return cache.plan.linear(self.out_proj)(heads)
+        if cache is not None:
+            return cache.plan.linear(self.out_proj)(heads)
+        if packing is not None:
+            return packing.projection(self.out_proj)(heads)
+        return linear(heads, self.out_proj.weight, self.out_proj.bias)
 
     def scores(self, q: Tensor, k: Tensor, q_start: int, k_start: int = 0) -> Tensor:
         """Pre-softmax scores (B, H, Lq, Lk) of queries at q_start.. against keys at k_start.. (queries and keys

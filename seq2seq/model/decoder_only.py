@@ -38,6 +38,7 @@ from seq2seq.config import ModelConfig
 from seq2seq.errors import ConfigError
 from seq2seq.model.embedding import Embedding, output_layer, token_embeddings
 from seq2seq.model.layers import FeedForward, LayerOptions, Residual
+from seq2seq.model.packed import plain_linear
 from seq2seq.model.plan import CPU_KERNEL, FUSED_KERNEL, StepPlan
 from seq2seq.model.positions import PositionBias
 from seq2seq.model.record import AttentionRecord
@@ -259,7 +260,7 @@ class DecoderOnlyTransformer(nn.Module):
         aligned = Aligned(src, src_pad_mask)
         kernel = CPU_KERNEL if src.device.type == "cpu" else FUSED_KERNEL
         empty = src.new_zeros(0, dtype=torch.float32)
-        cache = PrefixCache(StepPlan({}, (empty, empty), kernel), len(self.layers), aligned)
+        cache = PrefixCache(StepPlan({}, plain_linear(empty, empty), kernel), len(self.layers), aligned)  # no memory
         self.run(aligned.src, 0, aligned.offsets, aligned.pad, cache)
         cache.length = src.shape[1]
         return DecoderOnlySession(self, cache, need_attention)

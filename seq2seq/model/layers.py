@@ -109,7 +109,7 @@ class EncoderLayer(nn.Module):
         """x: (B, S, D), or (n, D) at the real positions of `packing`; mask: (B, 1, 1, S) True where allowed, or
         with `positions: t5_bias` additive (B, H, S, S): T5's position bias, -inf at padding."""
         x = self.attn_block(x, lambda h: self.self_attn.self_attention(h, mask=mask, packing=packing))
-        return self.ffn_block(x, self.ffn)
+        return self.ffn_block(x, self.ffn if packing is None else packing.linears.get(self.ffn, self.ffn))
 
 
 class DecoderLayer(nn.Module):

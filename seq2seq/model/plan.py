@@ -9,7 +9,7 @@ Three things describe a session, kept apart:
 - the plan (`StepPlan`): for each projection, whether a step runs the module
   itself or a copy of its weight prepacked by oneDNN (seq2seq.model.packed);
   every layer's cross-attention W_K, W_V stacked for one matmul over the
-  encoder output; and the attention kernel of a step;
+  encoder output (`memory`); and the attention kernel of a step;
 - the cache's data (`seq2seq.model.cache.DecoderCache`): keys, values and
   positions, which every step extends.
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from torch import Tensor, nn
+from torch import nn
 
 from seq2seq.model.packed import Linear
 
@@ -44,7 +44,7 @@ class StepPlan:
     """
 
     linears: Mapping[nn.Module, Linear]  # what runs instead of a module: packed copies; a cross-attention's W_Q
-    cross_kv: tuple[Tensor, Tensor]  # every layer's W_K, W_V stacked, (L * 2D, D), and their biases (L * 2D,)
+    memory: Linear  # every layer's cross-attention W_K, W_V as one projection: encoder output (n, D) -> (n, L * 2D)
     kernel: str  # CPU_KERNEL or FUSED_KERNEL
 
     def linear(self, module: nn.Module) -> Linear:

@@ -44,6 +44,20 @@ MakeLinear = Callable[[Tensor, Tensor | None, bool], Linear]
 """(weight (out, in), bias, relu) -> a step's linear: `packed_linear` or `int8_linear`."""
 
 
+def made(module: nn.Linear, make: MakeLinear, relu: bool = False) -> Linear:
+    """`module` (then ReLU) as `make` makes it."""
+    return make(module.weight, module.bias, relu)
+
+
+def made_ffn(module: FeedForward, make: MakeLinear) -> Linear:
+    """A feed-forward network with both linears made by `make` (a ReLU fused into the first)."""
+    relu = module.activation is F.relu
+    fc1, fc2 = made(module.fc1, make, relu), made(module.fc2, make)
+    if relu:
+        return lambda x: fc2(fc1(x))
+    return lambda x: fc2(module.activation(fc1(x)))
+
+
 class Encoder(nn.Module):
     def __init__(
         self,
@@ -71,6 +85,17 @@ class Encoder(nn.Module):
         for layer in self.layers:
             x = layer(x, mask, packing)
         return self.final_norm(x)
+
+    def packed_linears(self, make: MakeLinear) -> dict[nn.Module, Linear]:
+        """Copies of the layers' linears made by `make` (`int8_linear`), by the module each replaces, for an
+        encoder pass that starts decoding (`Packing.linears`)."""
+        packed: dict[nn.Module, Linear] = {}
+        for layer in self.layers:
+            layer = cast(EncoderLayer, layer)
+            for module in (layer.self_attn.in_proj, layer.self_attn.out_proj):
+                packed[module] = made(module, make)
+            packed[layer.ffn] = made_ffn(layer.ffn, make)
+        return packed
 
 
 class Decoder(nn.Module):
@@ -140,23 +165,12 @@ class Decoder(nn.Module):
         """Copies of a decoding step's projections made by `make` (weights prepacked for oneDNN,
         seq2seq.model.packed; or `int8_linear`'s int8 ones), by the module each replaces (a cross-attention
         module: its W_Q)."""
-
-        def pack(linear: nn.Linear, relu: bool = False) -> Linear:
-            return make(linear.weight, linear.bias, relu)
-
-        def ffn(module: FeedForward) -> Linear:
-            relu = module.activation is F.relu
-            fc1, fc2 = pack(module.fc1, relu), pack(module.fc2)
-            if relu:
-                return lambda x: fc2(fc1(x))
-            return lambda x: fc2(module.activation(fc1(x)))
-
-        packed: dict[nn.Module, Linear] = {self.output: pack(self.output)}
+        packed: dict[nn.Module, Linear] = {self.output: made(self.output, make)}
         for layer in self.decoder_layers():
             for module in (layer.self_attn.in_proj, layer.self_attn.out_proj, layer.cross_attn.out_proj):
-                packed[module] = pack(module)
+                packed[module] = made(module, make)
             packed[layer.cross_attn] = make(*layer.cross_attn.query_weights(), False)
-            packed[layer.ffn] = ffn(layer.ffn)
+            packed[layer.ffn] = made_ffn(layer.ffn, make)
         return packed
 
 
@@ -171,16 +185,38 @@ class DecodingPlan:
 
     `quantize="int8"` (`decode.quantize`, through `Seq2SeqTransformer.quantized`)
     runs the same linears in int8 instead (`int8_linear`: weights quantized per
-    output row when the plan is made, inputs at every call), kept the same way;
-    it decodes on CPU float32 only and refuses anything else with one line.
+    output row when the plan is made, inputs at every call), kept the same way,
+    and with them the projection of the encoder output to the cross-attention
+    keys and values and, given the `encoder`, the encoder pass's linears
+    (`encoder_linears`); it decodes on CPU float32 only and refuses anything
+    else with one line.
     """
 
-    def __init__(self, decoder: Decoder, pack: bool = True, quantize: str = "none") -> None:
+    def __init__(
+        self, decoder: Decoder, pack: bool = True, quantize: str = "none", encoder: Encoder | None = None
+    ) -> None:
         self.decoder = decoder
+        self.encoder = encoder
         self.quantize = quantize
         self.pack = pack and onednn_available()
         self._packed: tuple[ParameterKey, StepPlan] | None = None
+        self._encoder: tuple[ParameterKey, dict[nn.Module, Linear]] | None = None
         self.spare = SpareBlocks()  # the caches' memory, kept between CPU sessions
+
+    def encoder_linears(self) -> dict[nn.Module, Linear]:
+        """The copies of its linears that an encoder pass starting decoding runs (`Packing.linears`): int8 ones
+        with `quantize="int8"` and an encoder, made again when its parameters have changed; else none (the
+        modules run themselves)."""
+        if self.quantize != "int8" or self.encoder is None:
+            return {}
+        check_int8(self.encoder)
+        if not can_pack(self.encoder):
+            raise ConfigError("decode.quantize=int8 decodes in eval mode without autograd only")
+        key = parameter_key(self.encoder)
+        if self._encoder is None or self._encoder[0] != key:
+            self._encoder = None
+            self._encoder = (key, self.encoder.packed_linears(int8_linear))
+        return self._encoder[1]
 
     def session(self, memory: Tensor) -> StepPlan:
         """The plan of the session that starts now, over the encoder output `memory` (..., D)."""
@@ -192,12 +228,12 @@ class DecodingPlan:
             if self._packed is None or self._packed[0] != key:
                 self._packed = None
                 try:
-                    self._packed = (key, StepPlan(self.decoder.packed_linears(), self.cross_kv(), kernel))
+                    self._packed = (key, StepPlan(self.decoder.packed_linears(), self.memory(), kernel))
                 except RuntimeError:  # oneDNN refused: the modules will do
                     pass
             if self._packed is not None:
                 return self._packed[1]
-        return StepPlan(self.decoder.plain_queries(), self.cross_kv(), kernel)
+        return StepPlan(self.decoder.plain_queries(), self.memory(), kernel)
 
     def _int8(self, kernel: str) -> StepPlan:
         """The int8 plan, made again when the parameters have changed."""
@@ -207,14 +243,16 @@ class DecodingPlan:
         key = parameter_key(self.decoder)
         if self._packed is None or self._packed[0] != key:
             self._packed = None
-            self._packed = (key, StepPlan(self.decoder.packed_linears(int8_linear), self.cross_kv(), kernel))
+            linears = self.decoder.packed_linears(int8_linear)
+            self._packed = (key, StepPlan(linears, self.memory(int8_linear), kernel))
         return self._packed[1]
 
-    def cross_kv(self) -> tuple[Tensor, Tensor]:
-        """Every decoder layer's W_K, W_V stacked, and their biases: one matmul projects the encoder
-        output for all layers instead of one per layer."""
+    def memory(self, make: MakeLinear | None = None) -> Linear:
+        """Every decoder layer's W_K, W_V stacked, with their biases, as one projection of the encoder output
+        for all layers instead of one per layer: made by `make` (`int8_linear`), or plain."""
         weights, biases = zip(*(attention.memory_weights() for attention in self.decoder.cross_attentions()))
-        return torch.cat(weights), torch.cat(biases)
+        weight, bias = torch.cat(weights), torch.cat(biases)
+        return plain_linear(weight, bias) if make is None else make(weight, bias, False)
 
     @property
     def holds_packed(self) -> bool:
@@ -229,11 +267,11 @@ class DecodingPlan:
     def invalidate(self) -> None:
         """Drop the packed copies and the kept memory: the weights may change from now on (fused optimizers
         change them without bumping their versions), and training needs its memory."""
-        self._packed = None
+        self._packed = self._encoder = None
         self.spare.clear()
 
     def __getstate__(self) -> dict[str, object]:
-        return {**self.__dict__, "_packed": None}  # copies and pickles pack again when they decode
+        return {**self.__dict__, "_packed": None, "_encoder": None}  # copies and pickles pack again when they decode
 
 
 def check_int8(module: nn.Module) -> None:
@@ -281,14 +319,14 @@ class Seq2SeqTransformer(nn.Module):
         self.plan = DecodingPlan(decoder)  # a plain attribute: no weights, nothing in the state dict
 
     def quantized(self, quantize: str) -> Seq2SeqTransformer:
-        """This model decoding with `decode.quantize` (`none`: itself; `int8`: its decoder's linears in int8):
+        """This model decoding with `decode.quantize` (`none`: itself; `int8`: its linears in int8, encoder's too):
         a model sharing its modules and weights, with a decoding plan of its own, so the checkpoint and this
         model stay float32. Refused with one line where int8 cannot run (`check_int8`)."""
         if quantize == "none":
             return self
         check_int8(self)
         view = Seq2SeqTransformer(self.encoder, self.decoder)
-        view.plan = DecodingPlan(self.decoder, quantize=quantize)
+        view.plan = DecodingPlan(self.decoder, quantize=quantize, encoder=self.encoder)
         return view.train(self.training)
 
     def train(self, mode: bool = True) -> Seq2SeqTransformer:
@@ -323,7 +361,7 @@ class Seq2SeqTransformer(nn.Module):
         """The encoder output (B, S, D), computed at the real positions only (zeros at padding), as `start`
         computes it: batches with and without padding take the same path (the same kernels, so a sentence
         encodes alike in any batch)."""
-        packing = Packing(src_pad_mask, self.plan.spare_for(src))
+        packing = Packing(src_pad_mask, self.plan.spare_for(src), self.plan.encoder_linears())
         return packing.unpack(self.encoder(src, src_pad_mask, packing))
 
     def start(self, src: Tensor, src_pad_mask: Tensor, need_attention: bool = False) -> TransformerSession:
@@ -334,10 +372,10 @@ class Seq2SeqTransformer(nn.Module):
         Only the real positions are encoded and projected; their keys and values are written straight into
         the cache's layout, zeros at padding."""
         spare = self.plan.spare_for(src)
-        packing = Packing(src_pad_mask, spare)  # with padding or without: the same path (see `encode`)
+        packing = Packing(src_pad_mask, spare, self.plan.encoder_linears())  # padded or not: one path (see `encode`)
         memory = self.encoder(src, src_pad_mask, packing)  # (n, D)
         plan = self.plan.session(memory)
-        kv = linear(memory, *plan.cross_kv)  # (n, L * 2D)
+        kv = plan.memory(memory)  # (n, L * 2D)
         B, S = src.shape
         L, H = len(self.decoder.layers), self.decoder.cross_attentions()[0].n_heads
         Dh = kv.shape[-1] // (2 * L * H)
