@@ -209,9 +209,7 @@ class DecodingPlan:
         modules run themselves)."""
         if self.quantize != "int8" or self.encoder is None:
             return {}
-        check_int8(self.encoder)
-        if not can_pack(self.encoder):
-            raise ConfigError("decode.quantize=int8 decodes in eval mode without autograd only")
+        check_int8_session(self.encoder)
         key = parameter_key(self.encoder)
         if self._encoder is None or self._encoder[0] != key:
             self._encoder = None
@@ -237,9 +235,7 @@ class DecodingPlan:
 
     def _int8(self, kernel: str) -> StepPlan:
         """The int8 plan, made again when the parameters have changed."""
-        check_int8(self.decoder)
-        if not can_pack(self.decoder):
-            raise ConfigError("decode.quantize=int8 decodes in eval mode without autograd only")
+        check_int8_session(self.decoder)
         key = parameter_key(self.decoder)
         if self._packed is None or self._packed[0] != key:
             self._packed = None
@@ -284,6 +280,14 @@ def check_int8(module: nn.Module) -> None:
         raise ConfigError(f"decode.quantize=int8 quantizes a float32 model, not {weight.dtype}")
     if not int8_available():
         raise ConfigError("decode.quantize=int8 needs PyTorch's int8 matrix multiply on the CPU (torch._int_mm)")
+
+
+def check_int8_session(module: nn.Module) -> None:
+    """Refuse, with one line, an int8 session where `module` cannot run one (`check_int8`; training mode or
+    autograd)."""
+    check_int8(module)
+    if not can_pack(module):
+        raise ConfigError("decode.quantize=int8 decodes in eval mode without autograd only")
 
 
 class TransformerSession:
