@@ -766,8 +766,7 @@ class DecodeConfig(Section):
         "none",
         "`int8`: the encoder's and decoder's linear layers run in int8 on the CPU (weights quantized per output row "
         "when the model is opened, inputs per row at every call; the checkpoint stays float32), not on CUDA nor for "
-        "an RNN; a "
-        "CTranslate2 model loads with compute type int8; validation always decodes in float32",
+        "an RNN; a CTranslate2 model loads with compute type int8; validation always decodes in float32",
     )
 
     def check(self) -> None:
