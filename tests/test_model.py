@@ -369,6 +369,49 @@ def test_the_cache_grows_past_its_first_capacity(name: str) -> None:
     assert session.cache.self_kv.shape[4] == 64
 
 
+@pytest.mark.parametrize("name", ["post", "relative", "rope"])
+@torch.no_grad()
+def test_one_row_per_source_keeps_its_keys_in_one_block_and_beams_moved_in_and_out_still_equal_the_full_pass(
+    name: str, device: torch.device
+) -> None:
+    """With one row per source the self-attention keys are stored position-major (a step's keys in one block),
+    with beams source-major; moving from one to the other mid-sentence (a greedy prefix expanded to a beam,
+    the beam cut back to one row per source) copies every cached position, and each step still equals the
+    full forward pass."""
+    model = tiny_model(**variant(name)).to(device)
+    K, length = 3, 9
+    g = torch.Generator().manual_seed(11)
+    src, mask = on(device, *source_batch())
+    B = src.shape[0]
+    tgt = torch.randint(EOS + 1, VOCAB, (B * K, length), generator=g).to(device)
+    tgt[:, 0] = BOS
+    tgt[:, :3] = tgt[::K, :3].repeat_interleave(K, dim=0)  # each beam shares its sentence's first three tokens
+    sentence = torch.arange(B, device=device).repeat_interleave(K)
+    expected = model(src[sentence], mask[sentence], tgt)  # (B * K, length, V)
+    session = model.start(src, mask)
+    assert isinstance(session, TransformerSession)
+    cache, row = session.cache, torch.arange(0, B * K, K, device=device)  # the row of tgt each cache row holds
+
+    def stored_position_major() -> bool:
+        kv = cache.self_kv
+        assert kv is not None
+        return kv.stride(4) > kv.stride(2)  # positions outside sentences in memory
+
+    for t in range(length):
+        if t == 3:  # a beam from here on: the three cached positions copied into the beam's layout
+            session.select(torch.arange(B, device=device).repeat_interleave(K))
+            row = torch.arange(B * K, device=device)
+            assert cache.group == K and not stored_position_major()
+        if t == 6:  # back to one row per sentence, each keeping its beam's second hypothesis
+            keep = torch.arange(1, B * K, K, device=device)
+            session.select(keep)
+            row = row[keep]
+            assert cache.group == 1 and stored_position_major()
+        torch.testing.assert_close(session.step(tgt[row, t : t + 1]), expected[row, t], **CLOSE)
+        if t == 0:
+            assert stored_position_major()
+
+
 @pytest.mark.parametrize("name", ["pre", "post", "relative", "rope", "none", "t5_bias"])
 @torch.no_grad()
 def test_cache_follows_beams_and_dropped_rows(name: str, device: torch.device) -> None:
