@@ -47,6 +47,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECTION.KEY=VALUE",
         help="a setting of the student (repeatable), on top of its config",
     )
+    parser.add_argument(
+        "--teacher",
+        metavar="CONFIG",
+        help="the recipe's system is this config's model instead of its own (trained in that config's run "
+        "directory unless it finished there, picked on this recipe's val, tested and distilled on its pair; "
+        "a model of several pairs translates into the recipe's target language)",
+    )
+    parser.add_argument(
+        "--teacher-set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="a setting of the --teacher model (repeatable), on top of its config",
+    )
 
 
 def options(args: argparse.Namespace) -> RecipeOptions:
@@ -63,6 +77,8 @@ def options(args: argparse.Namespace) -> RecipeOptions:
         distill_mix=args.distill_mix,
         distill_chunk=args.distill_chunk,
         student=tuple(args.student),
+        teacher=args.teacher,
+        teacher_settings=tuple(args.teacher_set),
     )
 
 

@@ -86,6 +86,16 @@ def write_corpus(directory: Path, n_train: int = 3000, seed: int = 0) -> Path:
     return directory
 
 
+def write_multi_corpus(directory: Path, n_train: int = 2000) -> Path:
+    """train/val/test .src, .rev (reversed) and .same (copied): the two pairs share their source files."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for split, n, seed in (("train", n_train, 0), ("val", 60, 1), ("test", 60, 2)):
+        src, rev = reversal_pairs(n, seed)
+        for lang, lines in (("src", src), ("rev", rev), ("same", src)):
+            (directory / f"{split}.{lang}").write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return directory
+
+
 def tiny_overrides(corpus: Path, run_dir: Path, *extra: str) -> list[str]:
     return [f"data.dir={corpus}", "data.test=test", f"train.run_dir={run_dir}", *extra]
 

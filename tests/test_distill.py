@@ -29,7 +29,7 @@ class Upper:
     def __init__(self) -> None:
         self.asked: list[str] = []
 
-    def translate(self, lines: Sequence[str]) -> list[str]:
+    def translate(self, lines: Sequence[str], tgt_lang: str = "") -> list[str]:
         self.asked += lines
         return [line.upper() for line in lines]
 
@@ -47,7 +47,7 @@ def teacher_file(tmp_path: Path) -> Path:
 
 def test_a_rerun_translates_only_the_missing_chunks(tmp_path: Path, teacher_file: Path) -> None:
     sources = [f"line {i}" for i in range(25)]
-    identity = teacher_identity([teacher_file], DecodeConfig(), sources, chunk_lines=10)
+    identity = teacher_identity([teacher_file], DecodeConfig(), sources, "tgt", chunk_lines=10)
     first, notes = Upper(), []
     assert chunked(sources, tmp_path / "chunks", first, identity, notes) == [s.upper() for s in sources]
     assert first.asked == sources
@@ -77,21 +77,23 @@ def test_a_rerun_translates_only_the_missing_chunks(tmp_path: Path, teacher_file
     assert not opened
 
 
-def test_chunks_of_another_teacher_or_decode_setting_are_translated_again(tmp_path: Path, teacher_file: Path) -> None:
+def test_chunks_of_another_teacher_setting_or_language_are_translated_again(tmp_path: Path, teacher_file: Path) -> None:
     sources = ["a b", "c d", "e f"]
     notes: list[str] = []
-    chunked(sources, tmp_path, Upper(), teacher_identity([teacher_file], DecodeConfig(), sources, 2), notes)
-    beam = teacher_identity([teacher_file], DecodeConfig(beam_size=2), sources, 2)
+    chunked(sources, tmp_path, Upper(), teacher_identity([teacher_file], DecodeConfig(), sources, "tgt", 2), notes)
+    beam = teacher_identity([teacher_file], DecodeConfig(beam_size=2), sources, "tgt", 2)
     again, before = Upper(), len(notes)
     chunked(sources, tmp_path, again, beam, notes)
     assert again.asked == sources
     assert "2 chunk(s) discarded" in notes[before]
     teacher_file.write_bytes(b"other weights")
     retrained = Upper()
-    chunked(
-        sources, tmp_path, retrained, teacher_identity([teacher_file], DecodeConfig(beam_size=2), sources, 2), notes
-    )
+    retrained_identity = teacher_identity([teacher_file], DecodeConfig(beam_size=2), sources, "tgt", 2)
+    chunked(sources, tmp_path, retrained, retrained_identity, notes)
     assert retrained.asked == sources
+    other_language = Upper()  # a teacher of several target languages, into another one
+    chunked(sources, tmp_path, other_language, {**retrained_identity, "tgt_lang": "xx"}, notes)
+    assert other_language.asked == sources
 
 
 def test_the_student_data_holds_the_distilled_pairs_and_the_original_val_and_test(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import TINY, reversal_pairs, tiny_overrides
+from conftest import TINY, reversal_pairs, tiny_overrides, write_multi_corpus
 
 from seq2seq.cli import main
 from seq2seq.config import DataConfig, load_config
@@ -21,16 +21,6 @@ from seq2seq.errors import ConfigError, DataError
 from seq2seq.text.prepare import PreparedCorpus, settings
 
 PAIRS = "data.pairs=[src-rev, src-same]"
-
-
-def write_multi_corpus(directory: Path, n_train: int = 2000) -> Path:
-    """train/val/test .src, .rev (reversed) and .same (copied): the two pairs share their source files."""
-    directory.mkdir(parents=True, exist_ok=True)
-    for split, n, seed in (("train", n_train, 0), ("val", 60, 1), ("test", 60, 2)):
-        src, rev = reversal_pairs(n, seed)
-        for lang, lines in (("src", src), ("rev", rev), ("same", src)):
-            (directory / f"{split}.{lang}").write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    return directory
 
 
 @pytest.fixture(scope="module")

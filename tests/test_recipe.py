@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY, single_thread_env, tiny_overrides, write_corpus
+from conftest import ROOT, TINY, single_thread_env, tiny_overrides, write_corpus, write_multi_corpus
 
 from seq2seq import metrics
 from seq2seq.runs import checkpoint
@@ -132,6 +132,70 @@ def test_recipe_ensembles_seeded_models_and_distils_them_into_a_student(tmp_path
         assert "not installed" in int8["skipped"] and "Student in CTranslate2 int8: skipped" in table
     else:
         assert int8["test_sentences_per_second"] > 0 and "| student, CTranslate2 int8 |" in table
+
+
+@pytest.mark.trains
+def test_a_shared_teacher_of_two_pairs_is_trained_once_and_serves_the_recipe_of_each_pair(tmp_path: Path) -> None:
+    """--teacher: the recipe's system is another config's model (here one of two pairs, src-rev and src-same),
+    trained in that config's run directory, picked on this recipe's val and tested and distilled into this
+    recipe's target language; the recipe of the other pair finds it trained and only decodes it."""
+    corpus, teacher_dir = write_multi_corpus(tmp_path / "corpus", n_train=300), tmp_path / "teacher"
+    teacher = [
+        f"--teacher={TINY}",
+        *(
+            f"--teacher-set={setting}"
+            for setting in tiny_overrides(corpus, teacher_dir, "data.pairs=[src-rev, src-same]", "train.max_epochs=3")
+        ),
+        "--teacher-set=train.threads=1",
+        "--teacher-set=train.precision=fp32",
+    ]
+
+    def recipe(tgt: str, *extra: str) -> subprocess.CompletedProcess[str]:
+        pair = [f"data.tgt_lang={tgt}", "train.max_epochs=2", "train.threads=1", "train.precision=fp32"]
+        run_dir = tmp_path / f"run_{tgt}"
+        return run_recipe(str(TINY), *tiny_overrides(corpus, run_dir, *pair), "--no-download", *teacher, *extra)
+
+    done = recipe("rev", "--average", "2", "--distill", "--distill-chunk", "200")
+    assert done.returncode == 0, done.stderr[-2000:]
+    run_dir = tmp_path / "run_rev"
+    results = json.loads((run_dir / "results.json").read_text(encoding="utf-8"))
+    assert results["pair"] == "src-rev" and results["teacher"][0] == str(TINY)
+    assert results["run_dir"] == str(teacher_dir) and results["updates"] > 0
+    assert results["checkpoints"] == [str(teacher_dir / f"{results['picked']}.pt")]
+    assert not (run_dir / "checkpoint_best.pt").exists()  # the recipe trained no model of its own
+    test_save = teacher_dir / f"test.{results['picked']}.rev"
+    record = json.loads((teacher_dir / f"test.{results['picked']}.rev.json").read_text(encoding="utf-8"))
+    assert record["identity"]["tgt_lang"] == "rev"  # into the recipe's language: a tagless line would be refused
+    refs = (corpus / "test.rev").read_text(encoding="utf-8").splitlines()
+    hyps = test_save.read_text(encoding="utf-8").splitlines()
+    assert len(hyps) == len(refs) and results["test"]["sacrebleu"] == round(metrics.bleu(hyps, refs).score, 2)
+    data = run_dir / "distilled" / "data"
+    sources = (corpus / "train.src").read_text(encoding="utf-8").splitlines()
+    assert (data / "distilled.src").read_text(encoding="utf-8").splitlines() == sources
+    assert len((data / "distilled.rev").read_text(encoding="utf-8").splitlines()) == len(sources)
+    assert results["student"]["run_dir"] == str(run_dir / "student")
+    assert "The system is the model of" in (run_dir / "results.md").read_text(encoding="utf-8")
+
+    other = recipe("same", "--average", "2")  # the same teacher, the other pair: not trained again
+    assert other.returncode == 0, other.stderr[-2000:]
+    same = json.loads((tmp_path / "run_same" / "results.json").read_text(encoding="utf-8"))
+    assert same["pair"] == "src-same" and same["updates"] == results["updates"]
+    assert (teacher_dir / f"val.{same['picked']}.same").is_file()
+    assert (teacher_dir / "val.checkpoint_best.rev").is_file()  # each pair's translations apart
+
+
+def test_a_teacher_must_translate_the_recipes_pair(tmp_path: Path) -> None:
+    corpus = write_corpus(tmp_path / "corpus", n_train=20)
+    args = [str(TINY), *tiny_overrides(corpus, tmp_path / "run"), "--no-download"]
+    other = run_recipe(*args, f"--teacher={TINY}", "--teacher-set=data.tgt_lang=xx")
+    assert other.returncode == 2 and "translates src-xx, not this recipe's src-tgt" in other.stderr
+    assert "Traceback" not in other.stderr
+    missing = run_recipe(*args, "--teacher=no/such.yaml")
+    assert missing.returncode == 2 and "--teacher no/such.yaml: no such config file" in missing.stderr
+    alone = run_recipe(*args, "--teacher-set=train.max_epochs=1")
+    assert alone.returncode == 2 and "--teacher-set needs --teacher" in alone.stderr
+    both = run_recipe(*args, f"--teacher={TINY}", "--seeds", "1,2")
+    assert both.returncode == 2 and "--teacher and --seeds" in both.stderr
 
 
 def test_recipe_refuses_a_student_config_that_does_not_exist() -> None:

@@ -35,21 +35,25 @@ ORIGINAL = "original"  # the split of the original training pairs, when they are
 
 
 def teacher_identity(
-    paths: Sequence[Path], decode: DecodeConfig, sources: Sequence[str], chunk_lines: int
+    paths: Sequence[Path], decode: DecodeConfig, sources: Sequence[str], tgt_lang: str, chunk_lines: int
 ) -> dict[str, Any]:
     """What the saved chunks depend on: the translation's identity and the chunk size; chunks saved under
     another identity are translated again."""
-    return {**translation_identity(paths, decode, sources), "chunk_lines": chunk_lines}
+    return {**translation_identity(paths, decode, sources, tgt_lang), "chunk_lines": chunk_lines}
 
 
-def translation_identity(paths: Sequence[Path], decode: DecodeConfig, sources: Sequence[str]) -> dict[str, Any]:
-    """What a saved translation depends on: the checkpoints' files (their bytes), the decode settings and
-    the source lines; a translation saved under another identity must be made again."""
+def translation_identity(
+    paths: Sequence[Path], decode: DecodeConfig, sources: Sequence[str], tgt_lang: str
+) -> dict[str, Any]:
+    """What a saved translation depends on: the checkpoints' files (their bytes), the decode settings, the
+    source lines and the target language (a model of several translates the same lines into each); a
+    translation saved under another identity must be made again."""
     return {
         "checkpoints": [{"path": str(p), "sha256": _file_hash(p)} for p in paths],
         "decode": dataclasses.asdict(decode),
         "sources": hashlib.sha256("\n".join(sources).encode("utf-8")).hexdigest(),
         "lines": len(sources),
+        "tgt_lang": tgt_lang,
     }
 
 
@@ -67,10 +71,11 @@ def translate_in_chunks(
     directory: Path,
     identity: dict[str, Any],
     report: Callable[[str], None] = log.info,
+    tgt_lang: str = "",
 ) -> list[str]:
-    """The teacher's translation of every source line, one per line, from the chunks saved in `directory`
-    and, for the chunks missing there, from the teacher (opened only if one is missing); `report` gets a
-    line after each chunk translated."""
+    """The teacher's translation of every source line (into `tgt_lang`, for a teacher of several target
+    languages), one per line, from the chunks saved in `directory` and, for the chunks missing there, from
+    the teacher (opened only if one is missing); `report` gets a line after each chunk translated."""
     _forget_other_teacher(directory, identity, report)
     size, translator = identity["chunk_lines"], None
     total, out, start, fresh = -(-len(sources) // size), [], time.monotonic(), 0
@@ -79,7 +84,7 @@ def translate_in_chunks(
         lines = _saved_chunk(path, len(chunk))
         if lines is None:
             translator = translator or open_teacher()
-            lines = [" ".join(h.splitlines()) for h in translator.translate(chunk)]  # one line each, always
+            lines = [" ".join(h.splitlines()) for h in translator.translate(chunk, tgt_lang=tgt_lang)]  # one line each
             _write_atomically(path, lines)
             fresh += len(chunk)
             report(_progress(index + 1, total, begin + len(chunk), len(sources), fresh, time.monotonic() - start))

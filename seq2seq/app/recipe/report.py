@@ -16,6 +16,7 @@ def markdown(results: RecipeResults) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
         *system_rows(results),
         "",
+        *teacher_lines(results),
         "Test BLEU ± the half-width of its 95% interval over 1,000 resampled test sets (sacreBLEU's bootstrap).",
         "",
         "| candidate | val sacreBLEU |",
@@ -32,6 +33,16 @@ def markdown(results: RecipeResults) -> str:
     if results.student is not None:
         lines += ["", *student_rows(results, results.student)]
     return "\n".join(lines) + "\n"
+
+
+def teacher_lines(results: RecipeResults) -> list[str]:
+    """With --teacher, what the system is: that config's model, not one of the recipe's own."""
+    if not results.teacher:
+        return []
+    config, *settings = results.teacher
+    given = f" with {' '.join(settings)}" if settings else ""
+    run_dir = results.members[0].train.run_dir
+    return [f"The system is the model of {config}{given} (trained in {run_dir}), picked on this pair's val.", ""]
 
 
 def system_rows(results: RecipeResults) -> list[str]:

@@ -10,7 +10,7 @@ import dataclasses
 import types
 import typing
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
@@ -196,6 +196,7 @@ class RecipeResults:
     test: TestResult
     student: StudentResult | None = None
     this_invocation_minutes: float = 0.0
+    teacher: list[str] = field(default_factory=list)  # --teacher's config and settings: the system is that model
 
     @property
     def ensemble(self) -> bool:
@@ -223,6 +224,8 @@ class RecipeResults:
                 "val": self.system.val,
                 "picked": self.system.picked,
             }
+        if self.teacher:
+            head["teacher"] = self.teacher
         out = {**head, **system, "checkpoints": self.test.checkpoints, **self.test.to_json()}
         if self.student is not None:
             out["student"] = self.student.to_json()

@@ -20,7 +20,7 @@ from seq2seq.app.recipe.results import Member, RecipeResults, TrainResult
 from seq2seq.app.recipe.state import RecipeState
 from seq2seq.app.recipe.student import StudentPlan, distill
 from seq2seq.config import ExperimentConfig, load_config
-from seq2seq.errors import UsageError
+from seq2seq.errors import ConfigError, UsageError
 from seq2seq.runs.run_dir import RunDirectory
 from seq2seq.text.corpus import read_split
 
@@ -34,7 +34,11 @@ class RecipeOptions:
     model per seed, in RUN/seedS, and test their ensemble; distill: train a student on the teacher's
     translations of the training source, with this config ("": the recipe's); distill_mix: the student
     trains on the original pairs too; distill_chunk: lines a saved chunk of the teacher's translation;
-    student: the student's settings, on top of its config."""
+    student: the student's settings, on top of its config; teacher: the config of the recipe's system
+    instead of its own (None): a model trained in that config's run directory (skipped once it has finished
+    there, so recipes of several pairs can share one), averaged, picked on this recipe's val and tested on
+    its pair, into its target language when it translates into several; teacher_settings: that model's
+    settings, on top of its config."""
 
     config: str
     overrides: Sequence[str] = ()
@@ -45,10 +49,18 @@ class RecipeOptions:
     distill_mix: bool = False
     distill_chunk: int = CHUNK_LINES
     student: Sequence[str] = ()
+    teacher: str | None = None
+    teacher_settings: Sequence[str] = ()
 
     def check(self) -> None:
         if self.distill is None and (self.distill_mix or self.student):
             raise UsageError("--distill-mix and --student need --distill")
+        if self.teacher is None and self.teacher_settings:
+            raise UsageError("--teacher-set needs --teacher")
+        if self.teacher is not None and not Path(self.teacher).is_file():
+            raise UsageError(f"--teacher {self.teacher}: no such config file (its settings go to --teacher-set)")
+        if self.teacher is not None and self.seeds is not None:
+            raise UsageError("--teacher and --seeds: the system is either the given teacher or the seeds' ensemble")
         if self.distill and not Path(self.distill).is_file():
             raise UsageError(f"--distill {self.distill}: no such config file (the student's settings go to --student)")
         if self.seeds is not None and (not self.seeds or len(set(self.seeds)) < len(self.seeds)):
@@ -78,10 +90,14 @@ def run_recipe(options: RecipeOptions) -> RecipeResults:
         download_multi30k(d.dir, (d.src_lang, d.tgt_lang))
     top = Path(cfg.train.run_dir)
     state = RecipeState(top)
-    seeds: list[int | None] = [*options.seeds] if options.seeds else [None]
-    trained = [_train(state, options, cfg, seed) for seed in seeds]  # every model before any decoding
-    val = steps.Split(*read_split(d, d.valid))
-    members = [_pick(state, options, *model, val) for model in trained]
+    if options.teacher is not None:
+        val = steps.Split(*read_split(d, d.valid))
+        cfg, members = _given_teacher(state, options, cfg, val)
+    else:
+        seeds: list[int | None] = [*options.seeds] if options.seeds else [None]
+        trained = [_train(state, options, cfg, seed) for seed in seeds]  # every model before any decoding
+        val = steps.Split(*read_split(d, d.valid))
+        members = [_pick(state, options, *model, val) for model in trained]
     test = eval_set(d)  # the test split and, when the dataset has one, its tokenized reference
     results = _teacher(state, options, cfg, members, val, test)
     if options.distill is not None:
@@ -103,6 +119,25 @@ def _train(
             overrides.append(f"data.prepared_dir={top / 'prepared'}")
     member_cfg = load_config(options.config, overrides)
     return name, member_cfg, steps.train(state, name, options.config, overrides, member_cfg)
+
+
+def _given_teacher(
+    state: RecipeState, options: RecipeOptions, cfg: ExperimentConfig, val: steps.Split
+) -> tuple[ExperimentConfig, list[Member]]:
+    """The `--teacher` model as the recipe's system: trained in its own run directory, averaged and picked on
+    this recipe's val. Returns the recipe's config with the teacher's decode settings (what the system is
+    decoded with from here on: val, test and the student's data) and the teacher as the one member."""
+    assert options.teacher is not None
+    teacher_cfg = load_config(options.teacher, list(options.teacher_settings))
+    pair = (cfg.data.src_lang, cfg.data.tgt_lang)
+    if pair not in teacher_cfg.data.language_pairs():
+        known = ", ".join(f"{s}-{t}" for s, t in teacher_cfg.data.language_pairs())
+        raise ConfigError(f"--teacher {options.teacher} translates {known}, not this recipe's {pair[0]}-{pair[1]}")
+    decoding = dataclasses.replace(cfg, decode=teacher_cfg.decode)
+    trained = steps.train(state, "teacher", options.teacher, list(options.teacher_settings), teacher_cfg)
+    run = RunDirectory(teacher_cfg.train.run_dir)
+    averages = steps.average(state, "teacher", run, steps.average_sizes(options.average, teacher_cfg))
+    return decoding, [Member("teacher", trained, steps.pick(state, "teacher", run, decoding, averages, val))]
 
 
 def _pick(
@@ -139,6 +174,7 @@ def _teacher(
         threads=torch.get_num_threads(),
         test_set=d.test,
         seeds=list(options.seeds or []),
+        teacher=[] if options.teacher is None else [options.teacher, *options.teacher_settings],
         members=members,
         system=system,
         test=steps.score_test(state, "test", cfg, paths, test, save),

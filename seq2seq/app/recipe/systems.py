@@ -37,10 +37,17 @@ def open_system(paths: Sequence[Path], cfg: ExperimentConfig, engine: Engine = "
     return open_translator(ModelOptions(paths_text, engine, "cpu", threads, settings, token_scores=False))
 
 
-def translate(translator: TextTranslator, sources: list[str], save: Path) -> tuple[list[str], float]:
-    """The translations (also written to `save`) and the seconds they took."""
+def target_language(translator: TextTranslator, cfg: ExperimentConfig) -> str:
+    """The target language to ask `translator` for: the recipe's pair's when its model translates into
+    several (a shared teacher, `--teacher`), else none."""
+    return cfg.data.tgt_lang if translator.tokenizer.target_langs else ""
+
+
+def translate(translator: TextTranslator, sources: list[str], save: Path, tgt_lang: str) -> tuple[list[str], float]:
+    """The translations into `tgt_lang` (see `target_language`; also written to `save`) and the seconds they
+    took."""
     start = time.monotonic()
-    hyps = decode(translator, sources)
+    hyps = decode(translator, sources, tgt_lang)
     seconds = time.monotonic() - start
     save.write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
     return hyps, seconds
@@ -60,12 +67,13 @@ def translate_once(
     the sources) with its seconds; a rerun with the same identity reads them back instead of decoding
     again, so re-scoring a finished recipe, or going on to its student, costs seconds, not minutes.
     """
-    identity = translation_identity(paths, cfg.decode, sources)
+    identity = translation_identity(paths, cfg.decode, sources, cfg.data.tgt_lang)
     saved = _saved_translation(save, identity)
     if saved is not None:
         note_reused(save)
         return saved
-    hyps, seconds = translate(open_system(paths, cfg), sources, save)
+    translator = open_system(paths, cfg)
+    hyps, seconds = translate(translator, sources, save, target_language(translator, cfg))
     record_of(save).write_text(json.dumps({"identity": identity, "seconds": seconds}, indent=2), encoding="utf-8")
     return hyps, seconds
 
