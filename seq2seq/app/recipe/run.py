@@ -84,15 +84,19 @@ def run_recipe(options: RecipeOptions) -> RecipeResults:
     d = cfg.data
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
+    teacher_cfg = None if options.teacher is None else _teacher_config(options, cfg)
     if not options.no_download:
         from seq2seq.text.download import download_multi30k
 
         download_multi30k(d.dir, (d.src_lang, d.tgt_lang))
+        if teacher_cfg is not None:  # the teacher's other pairs too
+            languages = {lang for pair in teacher_cfg.data.language_pairs() for lang in pair}
+            download_multi30k(teacher_cfg.data.dir, tuple(sorted(languages)))
     top = Path(cfg.train.run_dir)
     state = RecipeState(top)
-    if options.teacher is not None:
+    if teacher_cfg is not None:
         val = steps.Split(*read_split(d, d.valid))
-        cfg, members = _given_teacher(state, options, cfg, val)
+        cfg, members = _given_teacher(state, options, teacher_cfg, cfg, val)
     else:
         seeds: list[int | None] = [*options.seeds] if options.seeds else [None]
         trained = [_train(state, options, cfg, seed) for seed in seeds]  # every model before any decoding
@@ -121,18 +125,24 @@ def _train(
     return name, member_cfg, steps.train(state, name, options.config, overrides, member_cfg)
 
 
-def _given_teacher(
-    state: RecipeState, options: RecipeOptions, cfg: ExperimentConfig, val: steps.Split
-) -> tuple[ExperimentConfig, list[Member]]:
-    """The `--teacher` model as the recipe's system: trained in its own run directory, averaged and picked on
-    this recipe's val. Returns the recipe's config with the teacher's decode settings (what the system is
-    decoded with from here on: val, test and the student's data) and the teacher as the one member."""
+def _teacher_config(options: RecipeOptions, cfg: ExperimentConfig) -> ExperimentConfig:
+    """The `--teacher` model's config, which must translate the recipe's pair."""
     assert options.teacher is not None
     teacher_cfg = load_config(options.teacher, list(options.teacher_settings))
     pair = (cfg.data.src_lang, cfg.data.tgt_lang)
     if pair not in teacher_cfg.data.language_pairs():
         known = ", ".join(f"{s}-{t}" for s, t in teacher_cfg.data.language_pairs())
         raise ConfigError(f"--teacher {options.teacher} translates {known}, not this recipe's {pair[0]}-{pair[1]}")
+    return teacher_cfg
+
+
+def _given_teacher(
+    state: RecipeState, options: RecipeOptions, teacher_cfg: ExperimentConfig, cfg: ExperimentConfig, val: steps.Split
+) -> tuple[ExperimentConfig, list[Member]]:
+    """The `--teacher` model as the recipe's system: trained in its own run directory, averaged and picked on
+    this recipe's val. Returns the recipe's config with the teacher's decode settings (what the system is
+    decoded with from here on: val, test and the student's data) and the teacher as the one member."""
+    assert options.teacher is not None
     decoding = dataclasses.replace(cfg, decode=teacher_cfg.decode)
     trained = steps.train(state, "teacher", options.teacher, list(options.teacher_settings), teacher_cfg)
     run = RunDirectory(teacher_cfg.train.run_dir)
