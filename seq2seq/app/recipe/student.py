@@ -16,7 +16,7 @@ from seq2seq.app.evaluation import EvalSet
 from seq2seq.app.recipe import steps
 from seq2seq.app.recipe.results import Distilled, Int8Result, Member, StudentResult
 from seq2seq.app.recipe.state import RecipeState, lines_digest, stamps
-from seq2seq.app.recipe.systems import open_system, scored, target_language, translate
+from seq2seq.app.recipe.systems import open_system, scored, translate
 from seq2seq.config import ExperimentConfig, load_config
 from seq2seq.errors import ConfigError, UserError
 from seq2seq.runs.run_dir import RunDirectory
@@ -87,7 +87,7 @@ def distilled(
 
     def translate_source() -> tuple[Distilled, list[Path]]:
         identity = teacher_identity(teacher, cfg.decode, sources, cfg.data.tgt_lang, plan.chunk_lines)
-        chunks, into = directory / "chunks", cfg.data.tgt_lang  # a teacher checkpoint knows its languages
+        chunks, into = directory / "chunks", cfg.data.tgt_lang
         hyps = translate_in_chunks(lambda: open_system(teacher, cfg), sources, chunks, identity, log.info, into)
         overrides = write_student_data(cfg.data, directory / "data", hyps, plan.mix)
         written = sorted(p for p in (directory / "data").rglob("*") if p.is_file())
@@ -121,8 +121,7 @@ def int8_student(state: RecipeState, checkpoint: Path, cfg: ExperimentConfig, te
         except UserError as e:  # an architecture that CTranslate2 does not run
             log.info("recipe: no CTranslate2 int8 student: %s", e)
             return Int8Result(skipped=str(e)), []
-        translator = open_system([exported], cfg, "ctranslate2")
-        hyps, seconds = translate(translator, test.sources, save, target_language(translator, cfg))
+        hyps, seconds = translate(open_system([exported], cfg, "ctranslate2"), test.sources, save, cfg.data.tgt_lang)
         return Int8Result("", str(exported), scored([exported], hyps, seconds, test, save)), [save]
 
     inputs = {**steps.decoding(cfg, [checkpoint], test.sources, test.references)}

@@ -37,15 +37,9 @@ def open_system(paths: Sequence[Path], cfg: ExperimentConfig, engine: Engine = "
     return open_translator(ModelOptions(paths_text, engine, "cpu", threads, settings, token_scores=False))
 
 
-def target_language(translator: TextTranslator, cfg: ExperimentConfig) -> str:
-    """The target language to ask `translator` for: the recipe's pair's when its model translates into
-    several (a shared teacher, `--teacher`), else none."""
-    return cfg.data.tgt_lang if translator.tokenizer.target_langs else ""
-
-
 def translate(translator: TextTranslator, sources: list[str], save: Path, tgt_lang: str) -> tuple[list[str], float]:
-    """The translations into `tgt_lang` (see `target_language`; also written to `save`) and the seconds they
-    took."""
+    """The translations into `tgt_lang`, the recipe's target language (also written to `save`), and the seconds
+    they took. A model of one pair checks it is its own; one of several (a shared `--teacher`) is asked for it."""
     start = time.monotonic()
     hyps = decode(translator, sources, tgt_lang)
     seconds = time.monotonic() - start
@@ -72,8 +66,7 @@ def translate_once(
     if saved is not None:
         note_reused(save)
         return saved
-    translator = open_system(paths, cfg)
-    hyps, seconds = translate(translator, sources, save, target_language(translator, cfg))
+    hyps, seconds = translate(open_system(paths, cfg), sources, save, cfg.data.tgt_lang)
     record_of(save).write_text(json.dumps({"identity": identity, "seconds": seconds}, indent=2), encoding="utf-8")
     return hyps, seconds
 
