@@ -8,7 +8,8 @@
 #    with the model FLOPs utilisation, for the quickstart, the en-de recipe and a 6+6 d512 shape, fp32 and bf16,
 #    and the quickstart (fp32) and the 6+6 shape (bf16) with train.compile in its default and CUDA-graph modes;
 #    then translate and evaluate of the fp32 run on CUDA, and serve answering one request on CUDA;
-# 4. the whole test suite last, since it is the longest and mostly runs on the CPU.
+# 4. greedy and beam 5 decoding against HF `generate` on the GPU, same model and batches (64 sentences, 1,000);
+# 5. the whole test suite last, since it is the longest and mostly runs on the CPU.
 # Everything is written to $OUT (default runs/gpu_check); the summary is $OUT/summary.txt.
 #
 # PYTHON and SEQ2SEQ name an interpreter that already has the package (for a machine with its own
@@ -112,6 +113,23 @@ for _ in $(seq 120); do
 done
 note "serve: ${answer:-no answer: $(tail -2 "$OUT/serve.log" | tr '\n' ' ')}"
 kill $server 2>/dev/null || true
+
+note "== decoding on CUDA against HF generate (scripts/bench/bench_decode.py --compare engines)"
+# The peer benchmark's shapes (random weights, post-norm: what a Marian directory holds), every hypothesis
+# exactly 32 tokens + EOS, the same val sentences in the same batches for both: 64 sentences, then all 1,000 at once.
+if $PY -c "import transformers" 2> /dev/null; then
+  for batch in 64 1000; do
+    if $PY scripts/bench/bench_decode.py --compare engines --device cuda --systems pytorch,hf \
+        -c "$ckpt" --src data/multi30k/val.de.gz -n 1000 --shapes tiny,small --shape-length 32 \
+        --batch-sentences $batch --rounds 3 --json "$OUT/decode_b$batch.json" > "$OUT/decode_b$batch.log" 2>&1; then
+      note "decode, batches of $batch: $(grep -E '^(tiny|small) |^pytorch |^hf ' "$OUT/decode_b$batch.log" | tr -s ' ' | tr '\n' '|')"
+    else
+      note "decode, batches of $batch FAILED: $(tail -3 "$OUT/decode_b$batch.log" | tr '\n' ' ')"
+    fi
+  done
+else
+  note "decode against HF generate: skipped (transformers is not installed: pip install -e \".[hf]\")"
+fi
 
 note "== the whole suite"
 if [[ -z ${PYTEST_ARGS+set} ]] && $PY -c "import xdist" 2> /dev/null; then PYTEST_ARGS="-n 8"; fi

@@ -117,6 +117,33 @@ def test_bench_decode_compares_engines(trained_run: Path, corpus: Path, tmp_path
         assert checkpoint["ct2-float32"]["same_as_pytorch"] >= 0.8  # the same model in another engine
 
 
+def test_bench_decode_compares_with_hf_generate_in_the_same_batches(
+    trained_run: Path, corpus: Path, tmp_path: Path
+) -> None:
+    """The Marian export decoded by transformers' `generate` beside this code, both given the same batches
+    of sentences: on a post-norm shape the same model, so greedy translates alike; a model Marian cannot
+    hold is left out of the hf column with a line saying why."""
+    pytest.importorskip("transformers")
+    results = tmp_path / "engines.json"
+    args = ["--compare", "engines", "-c", str(trained_run / "checkpoint_best.pt"), "--systems", "pytorch,hf"]
+    args += ["--src", str(corpus / "test.src"), "--ref", str(corpus / "test.tgt"), "-n", "10", "--rounds", "1"]
+    args += ["--beam", "2", "--threads", "1", "--shapes", "checkpoint,tiny", "--shape-length", "4"]
+    args += ["--batch-sentences", "4", "--json", str(results)]
+    proc = run_script("bench/bench_decode.py", *args, cwd=tmp_path)
+    summary = json.loads(results.read_text(encoding="utf-8"))
+    assert "batches of 4 sentences" in proc.stdout
+    for mode in ("greedy", "beam2"):
+        table = summary["results"][f"tiny {mode}"]
+        assert set(table) == {"pytorch", "hf"}
+        assert all(r["sent_per_s"][0] > 0 for r in table.values())
+    assert summary["results"]["tiny greedy"]["hf"]["same_as_pytorch"] >= 0.8  # one model, two engines
+    checkpoint = summary["results"]["checkpoint greedy"]
+    assert "hf" in checkpoint or "hf: checkpoint_best.pt is left out" in proc.stderr
+    translator = Translator.from_checkpoint(trained_run / "checkpoint_best.pt", strategy="greedy", beam_size=2)
+    src, refs = (corpus / "test.src").read_text().splitlines()[:10], (corpus / "test.tgt").read_text().splitlines()[:10]
+    assert checkpoint["pytorch"]["bleu"] == metrics.bleu(translator.translate(src), refs).score  # in input order
+
+
 @pytest.mark.trains  # the script runs training updates in a child process
 @pytest.mark.parametrize(
     ("compare", "first", "second"),

@@ -173,6 +173,10 @@ def parse_args() -> argparse.Namespace:
         "--shapes", default="checkpoint", help=f"comma-separated: checkpoint (the real model), {', '.join(SHAPES)}"
     )
     engines.add_argument("--shape-length", type=int, default=32, help="tokens of every hypothesis of a shape")
+    engines.add_argument("--device", default="cpu", help="cpu or cuda: where pytorch, hf and CTranslate2 decode")
+    engines.add_argument(
+        "--batch-sentences", type=int, default=0, help="the same batches for every system: B sentences sorted by length"
+    )
     return p.parse_args()
 
 
