@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -54,12 +55,18 @@ def int8_linear(weight: Tensor, bias: Tensor | None, relu: bool = False) -> Line
     """`F.linear` (then ReLU) in int8, for `decode.quantize: int8`, with row-wise scales on both sides.
 
     The weight (out, in) is quantized once, per output row (symmetric: scale max|w| / 127; 7 bits, / 63,
-    without VNNI, see `has_vnni`); each call quantizes its input per row likewise, multiplies in int8 with
-    exact int32 sums (`torch._int_mm`, oneDNN's int8 GEMM) and scales the sums back to float32 by the
-    row's and the column's scale. Every row is quantized on its own, so a hypothesis's logits do not depend
-    on the other rows of its batch: batch invariance and cache == uncached hold as in float32. (PyTorch's
-    `quantized.linear_dynamic` quantizes the input per tensor, which couples the rows; it was no faster.)
+    where 8-bit products would saturate, see `has_vnni`); each call quantizes its input per row likewise,
+    multiplies in int8 with exact int32 sums and scales the sums back to float32 by the row's and the
+    column's scale. Every row is quantized on its own, so a hypothesis's logits do not depend on the other
+    rows of its batch: batch invariance and cache == uncached hold as in float32. (PyTorch's
+    `quantized.linear_dynamic` quantizes the input per tensor, which couples the rows; `fbgemm_int8_linear`
+    uncouples them.)
+
+    The int8 GEMM is oneDNN's (`torch._int_mm`) where the CPU has VNNI or AMX (`int8_gemm`); elsewhere
+    PyTorch runs `_int_mm` as a plain loop, and FBGEMM's AVX2 kernel does the work instead.
     """
+    if int8_gemm() == "fbgemm" and weight.shape[1] >= 2:
+        return fbgemm_int8_linear(weight, bias, relu)
     w = weight.detach().float()
     w_scale = w.abs().amax(dim=1).clamp(min=1e-12) / (127 if has_vnni() else 63)  # (out,)
     w_int8 = torch.round(w / w_scale[:, None]).to(torch.int8).t()  # (in, out)
@@ -78,6 +85,60 @@ def int8_linear(weight: Tensor, bias: Tensor | None, relu: bool = False) -> Line
     return linear
 
 
+def fbgemm_int8_linear(weight: Tensor, bias: Tensor | None, relu: bool = False) -> Linear:
+    """`int8_linear` through FBGEMM's dynamic int8 linear, its input still quantized row by row.
+
+    FBGEMM quantizes its whole input with one scale and zero point, taken from the input's minimum and
+    maximum. Each call therefore divides every row by its own max|x| (so every value lies in [-1, 1]) and
+    appends one row holding 1 and -1: the range is [-1, 1] whatever the batch, so each row is quantized to
+    the same 256 levels on its own, and scaled back by its max|x| afterwards. The weight has 7 bits (scale
+    max|w| / 63): FBGEMM's AVX2 kernel sums pairs of (0..255) x (int8) products in a saturating int16, which
+    2 x 255 x 63 fits. The appended row costs one row of the product.
+    """
+    w = weight.detach().float()
+    w_scale = w.abs().amax(dim=1).clamp(min=1e-12) / 63  # (out,)
+    zero = torch.zeros(w.shape[0], dtype=torch.long)
+    with warnings.catch_warnings():  # quantized tensors are deprecated in PyTorch; `int8_gemm` checks they exist
+        warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*", category=UserWarning)
+        q_weight = torch.quantize_per_channel(w, w_scale.double(), zero, 0, torch.qint8)
+        packed = torch.ops.quantized.linear_prepack(q_weight, None)
+    b = None if bias is None else bias.detach().float()
+    span = torch.zeros(w.shape[1])  # the appended row: fixes the input's range at [-1, 1]
+    span[0], span[1] = 1.0, -1.0
+
+    def linear(x: Tensor) -> Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        n = rows.shape[0]
+        scale = rows.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12)  # (N, 1)
+        unit = rows.new_empty(n + 1, rows.shape[1])
+        torch.div(rows, scale, out=unit[:n])
+        unit[n].copy_(span)
+        y = torch.ops.quantized.linear_dynamic(unit, packed, False)[:n]  # (N, out); False: all 8 bits of x
+        y = torch.addcmul(b, y, scale, out=y) if b is not None else y.mul_(scale)
+        if relu:
+            y = y.relu_()
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    return linear
+
+
+@functools.cache
+def int8_gemm() -> str:
+    """The int8 GEMM `int8_linear` calls on this CPU: `onednn` (`torch._int_mm`) where the CPU multiplies
+    8-bit integers natively (VNNI, AMX: PyTorch's oneDNN path), `fbgemm` on other x86 CPUs (an AVX2-only
+    AMD EPYC ran `_int_mm` 30-40x slower than float32, as a plain loop; FBGEMM's AVX2 kernel at about
+    float32's speed or better), `onednn` where FBGEMM is missing."""
+    if _INT8_FLAGS & cpu_fields() or not _fbgemm_available():
+        return "onednn"
+    return "fbgemm"
+
+
+def _fbgemm_available() -> bool:
+    if not {"fbgemm", "x86"} & set(torch.backends.quantized.supported_engines):
+        return False
+    return hasattr(torch.ops.quantized, "linear_dynamic") and hasattr(torch.ops.quantized, "linear_prepack")
+
+
 @functools.cache
 def has_vnni() -> bool:
     """Whether the CPU multiplies 8-bit integers with 32-bit sums (AVX-512 VNNI, AVX-VNNI, AMX): then a weight is
@@ -91,15 +152,18 @@ def has_vnni() -> bool:
     """
     if os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper() in _ONEDNN_WITHOUT_VNNI:
         return False
-    return any(flag in cpu_fields() for flag in ("avx512_vnni", "avx_vnni", "amx_int8"))
+    return bool(_INT8_FLAGS & cpu_fields())
 
 
+_INT8_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})  # the CPU flags of native 8-bit products
 _ONEDNN_WITHOUT_VNNI = frozenset({"SSE41", "AVX", "AVX2", "AVX512_CORE"})  # oneDNN's instruction sets below VNNI
 
 
 @functools.cache
 def int8_available() -> bool:
     """Whether this PyTorch has the int8 GEMM on the CPU that `int8_linear` calls."""
+    if int8_gemm() == "fbgemm":
+        return True
     if not hasattr(torch, "_int_mm"):
         return False
     try:
