@@ -23,8 +23,7 @@ from seq2seq.config import DecodeConfig
 from seq2seq.decoding.search import Hypothesis, search
 from seq2seq.decoding.translate import Translator
 from seq2seq.errors import ConfigError
-from seq2seq.model import Seq2SeqTransformer
-from seq2seq.model import packed
+from seq2seq.model import Seq2SeqTransformer, packed
 from seq2seq.model.packed import fbgemm_int8_linear, int8_available, int8_linear
 from seq2seq.model.record import AttentionRecord
 from seq2seq.runs.checkpoint import load_checkpoint
