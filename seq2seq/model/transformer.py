@@ -279,7 +279,7 @@ def check_int8(module: nn.Module) -> None:
     if weight.dtype != torch.float32:
         raise ConfigError(f"decode.quantize=int8 quantizes a float32 model, not {weight.dtype}")
     if not int8_available():
-        raise ConfigError("decode.quantize=int8 needs PyTorch's int8 matrix multiply on the CPU (torch._int_mm or FBGEMM)")
+        raise ConfigError("decode.quantize=int8 needs PyTorch's int8 matrix multiply on the CPU (_int_mm or FBGEMM)")
 
 
 def check_int8_session(module: nn.Module) -> None:
