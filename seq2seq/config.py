@@ -765,8 +765,9 @@ class DecodeConfig(Section):
     quantize: Literal["none", "int8"] = setting(
         "none",
         "`int8`: the encoder's and decoder's linear layers run in int8 on the CPU (weights quantized per output row "
-        "when the model is opened, inputs per row at every call; the checkpoint stays float32), not on CUDA nor for "
-        "an RNN; a CTranslate2 model loads with compute type int8; validation always decodes in float32",
+        "when the model is opened, inputs per row at every call; oneDNN's int8 GEMM on CPUs with VNNI or AMX, "
+        "FBGEMM's on other x86 CPUs; the checkpoint stays float32), not on CUDA nor for an RNN; a CTranslate2 model "
+        "loads with compute type int8; validation always decodes in float32",
     )
 
     def check(self) -> None:
