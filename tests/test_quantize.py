@@ -24,7 +24,7 @@ from seq2seq.decoding.search import Hypothesis, search
 from seq2seq.decoding.translate import Translator
 from seq2seq.errors import ConfigError
 from seq2seq.model import Seq2SeqTransformer, packed
-from seq2seq.model.packed import fbgemm_int8_linear, int8_available, int8_linear
+from seq2seq.model.packed import fbgemm_int8_linear, int8_available, int8_linear, onednn_int8_linear
 from seq2seq.model.record import AttentionRecord
 from seq2seq.runs.checkpoint import load_checkpoint
 from seq2seq.text.corpus import pad
@@ -87,15 +87,21 @@ def assert_same(a: list[list[Hypothesis]], b: list[list[Hypothesis]], abs: float
 # The int8 linear.
 
 
-LINEARS = {"int8_linear": int8_linear, "fbgemm_int8_linear": fbgemm_int8_linear}
+LINEARS = {
+    "int8_linear": int8_linear,
+    "onednn_int8_linear": onednn_int8_linear,
+    "fbgemm_int8_linear": fbgemm_int8_linear,
+}
 
 
 @torch.no_grad()
 @pytest.mark.parametrize("relu", [False, True])
-@pytest.mark.parametrize("make", LINEARS)  # this CPU's int8 GEMM, and FBGEMM's wherever this PyTorch has it
+@pytest.mark.parametrize("make", LINEARS)  # this CPU's int8 GEMM, and each of the two wherever this PyTorch has it
 def test_an_int8_linear_is_close_to_float32_and_each_row_its_own(make: str, relu: bool) -> None:
     if make == "fbgemm_int8_linear" and not packed._fbgemm_available():
         pytest.skip("this PyTorch has no FBGEMM")
+    if make == "onednn_int8_linear" and not hasattr(torch, "_int_mm"):
+        pytest.skip("this PyTorch has no torch._int_mm")
     g = torch.Generator().manual_seed(0)
     weight, bias, x = torch.randn(48, 32, generator=g), torch.randn(48, generator=g), torch.randn(5, 3, 32, generator=g)
     x[1, 2] = 0.0  # a row of zeros: its bias alone

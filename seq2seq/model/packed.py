@@ -67,6 +67,11 @@ def int8_linear(weight: Tensor, bias: Tensor | None, relu: bool = False) -> Line
     """
     if int8_gemm() == "fbgemm" and weight.shape[1] >= 2:
         return fbgemm_int8_linear(weight, bias, relu)
+    return onednn_int8_linear(weight, bias, relu)
+
+
+def onednn_int8_linear(weight: Tensor, bias: Tensor | None, relu: bool = False) -> Linear:
+    """`int8_linear` through `torch._int_mm` (oneDNN's int8 GEMM where the CPU has VNNI or AMX)."""
     w = weight.detach().float()
     w_scale = w.abs().amax(dim=1).clamp(min=1e-12) / (127 if has_vnni() else 63)  # (out,)
     w_int8 = torch.round(w / w_scale[:, None]).to(torch.int8).t()  # (in, out)
