@@ -100,8 +100,8 @@ LINEARS = {
 def test_an_int8_linear_is_close_to_float32_and_each_row_its_own(make: str, relu: bool) -> None:
     if make == "fbgemm_int8_linear" and not packed._fbgemm_available():
         pytest.skip("this PyTorch has no FBGEMM")
-    if make == "onednn_int8_linear" and not hasattr(torch, "_int_mm"):
-        pytest.skip("this PyTorch has no torch._int_mm")
+    if make == "onednn_int8_linear" and not packed.int_mm_available():
+        pytest.skip("this PyTorch has no torch._int_mm on the CPU")
     g = torch.Generator().manual_seed(0)
     weight, bias, x = torch.randn(48, 32, generator=g), torch.randn(48, generator=g), torch.randn(5, 3, 32, generator=g)
     x[1, 2] = 0.0  # a row of zeros: its bias alone

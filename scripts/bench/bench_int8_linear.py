@@ -43,7 +43,7 @@ def ways(weight: torch.Tensor, bias: torch.Tensor) -> dict[str, Callable[[torch.
         "float32 MKL": lambda x: F.linear(x, weight, bias),
         "float32 oneDNN packed": packed.packed_linear(weight, bias),
     }
-    if packed.int8_available() and hasattr(torch, "_int_mm"):
+    if packed.int_mm_available():
         w_scale = weight.abs().amax(dim=1) / 63
         w_int8 = torch.round(weight / w_scale[:, None]).to(torch.int8).t().contiguous()
         out["int8 _int_mm (product only)"] = lambda x: torch._int_mm(x.to(torch.int8), w_int8)

@@ -167,8 +167,12 @@ _ONEDNN_WITHOUT_VNNI = frozenset({"SSE41", "AVX", "AVX2", "AVX512_CORE"})  # one
 @functools.cache
 def int8_available() -> bool:
     """Whether this PyTorch has the int8 GEMM on the CPU that `int8_linear` calls."""
-    if int8_gemm() == "fbgemm":
-        return True
+    return int8_gemm() == "fbgemm" or int_mm_available()
+
+
+@functools.cache
+def int_mm_available() -> bool:
+    """Whether this PyTorch runs `torch._int_mm` on the CPU, which `onednn_int8_linear` calls."""
     if not hasattr(torch, "_int_mm"):
         return False
     try:
