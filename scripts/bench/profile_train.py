@@ -4,8 +4,8 @@ Runs the update `seq2seq train` runs (`UpdateStep`: forward, the closed-form
 label-smoothed loss, backward, clipping, fused Adam) on random batches of a
 fixed shape under `torch.profiler`, and sorts the self CPU time of every
 operator into a few buckets, so that each speed change can be justified by
-the share it attacks. Shapes: the quickstart's (3+3, d256, ffn 1024) and a
-6+6 d512 one; the batch is about 4,000 target tokens, as in the recipes.
+the share it attacks. Shapes: the quickstart's before its feed-forward width
+was halved (3+3, d256, ffn 1024) and a 6+6 d512 one; the batch is about 4,000 target tokens, as in the recipes.
 
     .venv/bin/python scripts/bench/profile_train.py --models quickstart big --steps 5 --threads 2
 
