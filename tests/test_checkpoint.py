@@ -183,6 +183,8 @@ def test_damaged_or_foreign_files_give_one_line_errors(
         ckpt.read(tmp_path / "foreign.pt")
     with pytest.raises(CheckpointError, match="checkpoint not found"):
         ckpt.read(tmp_path / "missing.pt")
+    with pytest.raises(CheckpointError, match="is a directory, not a checkpoint file"):
+        ckpt.read(tmp_path)
 
 
 def test_flipped_bytes_fail_the_checksum(tmp_path: Path, cfg: ExperimentConfig, tokenizer: Tokenizer) -> None:

@@ -386,6 +386,8 @@ def read(path: str | Path, kinds: Sequence[str] = (TRANSLATION,)) -> Checkpoint:
 
 def _load(path: Path) -> Any:
     check_torch_version()
+    if path.is_dir():  # an exported model directory is opened before this (seq2seq.app.model)
+        raise CheckpointError(f"{path} is a directory, not a checkpoint file (such as RUN/checkpoint_best.pt)")
     if not path.is_file():
         raise CheckpointError(f"checkpoint not found: {path}")
     if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; anything else is not ours
