@@ -226,7 +226,7 @@ def test_evaluate_refuses_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFi
     assert "2 hypotheses but 3 references" in one_error_line(capsys)
     (tmp_path / "empty.txt").write_text("", encoding="utf-8")
     assert main(["evaluate", "--hypotheses", str(tmp_path / "empty.txt"), "--ref", str(tmp_path / "empty.txt")]) == 1
-    assert "the reference file has no lines" in one_error_line(capsys)
+    assert "the test set has no references" in one_error_line(capsys)
     assert main(["evaluate", "--hypotheses", str(tmp_path / "two.txt")]) == 2
     assert "needs --ref" in one_error_line(capsys)
     assert main(["evaluate"]) == 2

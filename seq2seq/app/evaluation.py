@@ -192,7 +192,7 @@ def score(
     if len(hypotheses) != len(test.references):
         raise DataError(f"{len(hypotheses)} hypotheses but {len(test.references)} references")
     if not test.references:  # sacreBLEU fails on an empty corpus with an IndexError
-        raise DataError("nothing to score: the reference file has no lines")
+        raise DataError("nothing to score: the test set has no references")
     if save:
         Path(save).write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")
     tok_refs = read_lines(test.tokenized) if test.tokenized else None
