@@ -7,6 +7,8 @@ import errno
 import functools
 import pickle
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -432,3 +434,49 @@ def test_checkpoints_of_the_flat_model_layout_load_and_resave_in_todays(
     assert again.config == loaded.config
     weights, reread = loaded.model.state_dict(), again.model.state_dict()
     assert weights.keys() == reread.keys() and all(torch.equal(weights[k], reread[k]) for k in weights)
+
+
+META_BUILD = """
+import sys
+import torch
+from seq2seq.config import load_config
+from seq2seq.model import build_model, on_meta
+from seq2seq.model.masked_lm import build_masked_lm
+
+for overrides in VARIANTS:
+    cfg = load_config(sys.argv[1], overrides).model
+    builds = [lambda: build_model(cfg, 60, 60 if cfg.share_all_embeddings else 70)]
+    if cfg.arch == "transformer":
+        builds.append(lambda: build_masked_lm(cfg, 60))
+    for build in builds:
+        with on_meta():
+            meta = build()
+        assert "torch._dynamo" not in sys.modules, (overrides, "a meta build imported torch._dynamo")
+        real = build()
+        assert all(t.is_meta for t in meta.state_dict().values()), overrides
+        shapes = {k: t.shape for k, t in meta.state_dict().items()}
+        assert shapes == {k: t.shape for k, t in real.state_dict().items()}, overrides
+        assert {k: t.shape for k, t in meta.named_buffers()} == {k: t.shape for k, t in real.named_buffers()}
+print("built", len(VARIANTS))
+"""
+META_VARIANTS = [
+    [],
+    ["model.transformer.positions=rope", "model.transformer.norm_type=rmsnorm"],
+    ["model.transformer.positions=learned", "model.share_all_embeddings=false", "model.share_decoder_embeddings=false"],
+    ["model.transformer.positions=relative"],
+    ["model.transformer.positions=t5_bias"],
+    ["model.transformer.attention=local_global"],
+    ["model.transformer.attention=linformer"],
+    ["model.arch=rnn", "model.transformer=null"],
+    ["model.arch=decoder_only", "model.max_positions=256", "model.transformer.positions=rope"],
+]
+
+
+def test_a_meta_build_has_the_real_shapes_and_loads_nothing_of_torch_compile() -> None:
+    """Checking a checkpoint builds its model on the meta device (`on_meta`): the same tensors as a real build,
+    without drawing values, and without the seconds of importing torch._dynamo (which meta arithmetic and a meta
+    `normal_` would import) in every command that loads a checkpoint. In a fresh process: this one imported it."""
+    code = f"VARIANTS = {META_VARIANTS!r}\n{META_BUILD}"
+    done = subprocess.run([sys.executable, "-c", code, str(TINY)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["built", str(len(META_VARIANTS))]

@@ -2,7 +2,7 @@
 decoder-only translator (decoder_only.py)."""
 
 from seq2seq.model.attention import Kernels, MultiHeadAttention, kernel_scope, training_kernel
-from seq2seq.model.build import Seq2SeqModel, build_model
+from seq2seq.model.build import Seq2SeqModel, build_model, on_meta
 from seq2seq.model.cache import DecoderCache, LayerCache
 from seq2seq.model.decoder_only import DecoderOnlySession, DecoderOnlyTransformer
 from seq2seq.model.layers import DecoderLayer, EncoderLayer, FeedForward
@@ -32,5 +32,6 @@ __all__ = [
     "TransformerSession",
     "build_model",
     "kernel_scope",
+    "on_meta",
     "training_kernel",
 ]

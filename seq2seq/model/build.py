@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.overrides import TorchFunctionMode
 
 from seq2seq.config import ModelConfig
 from seq2seq.model.decoder_only import DecoderOnlySession, DecoderOnlyTransformer, build_decoder_only
@@ -25,6 +30,30 @@ def build_model(cfg: ModelConfig, src_vocab_size: int, tgt_vocab_size: int) -> S
     if cfg.arch == "decoder_only":
         return build_decoder_only(cfg, src_vocab_size, tgt_vocab_size)
     return build_transformer(cfg, src_vocab_size, tgt_vocab_size)
+
+
+@contextmanager
+def on_meta() -> Iterator[None]:
+    """Build modules on the meta device: the parameters' names and shapes, no memory, and no initial values.
+
+    The initializers are skipped, not run on the meta tensors: there they compute nothing, and a meta `normal_`
+    runs through Python code that first imports torch._dynamo (as do most meta operations: the position tables
+    skip their arithmetic on meta too), seconds of every command that checks a checkpoint.
+    """
+    with torch.device("meta"), _SkipInitOnMeta():
+        yield
+
+
+class _SkipInitOnMeta(TorchFunctionMode):
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        initializer = getattr(func, "__module__", None) == "torch.nn.init" or func is torch.Tensor.normal_
+        tensor = args[0] if args else kwargs.get("tensor")  # torch.nn.init passes its tensor by keyword
+        if initializer and isinstance(tensor, torch.Tensor) and tensor.is_meta:
+            return tensor
+        return func(*args, **kwargs)
 
 
 if TYPE_CHECKING:  # for mypy only: each model starts sessions that search can drive

@@ -17,6 +17,8 @@ from seq2seq.text.vocab import PAD
 
 def sinusoidal_table(n_positions: int, d_model: int) -> Tensor:
     """PE(pos, 2i) = sin(pos / 10000^(2i/D)), PE(pos, 2i+1) = cos(...)  (Vaswani et al., 2017, section 3.5)."""
+    if torch.get_default_device().type == "meta":  # a model built for its shapes only (seq2seq.model.build.on_meta)
+        return torch.empty(n_positions, d_model)
     position = torch.arange(n_positions, dtype=torch.float32)[:, None]
     inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / d_model))
     table = torch.zeros(n_positions, d_model)

@@ -32,6 +32,10 @@ class RotaryPositions(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, base: float = 10000.0) -> None:
         super().__init__()
         self.base = base  # theta_m = base ** (-2m / Dh); an exporter must set the same
+        if torch.get_default_device().type == "meta":  # built for its shapes only (seq2seq.model.build.on_meta)
+            self.register_buffer("cos", torch.empty(max_positions, head_dim), persistent=False)
+            self.register_buffer("sin", torch.empty(max_positions, head_dim), persistent=False)
+            return
         inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)  # (Dh/2,)
         angles = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq  # (P, Dh/2)
         angles = torch.cat([angles, angles], dim=-1)  # (P, Dh): pair m with m + Dh/2

@@ -41,7 +41,7 @@ import torch
 
 from seq2seq.config import ExperimentConfig, config_changes, from_dict, to_dict
 from seq2seq.errors import CheckpointError, ConfigError
-from seq2seq.model import Seq2SeqModel, build_model
+from seq2seq.model import Seq2SeqModel, build_model, on_meta
 from seq2seq.model.masked_lm import build_masked_lm
 from seq2seq.runs import tensorfile
 from seq2seq.runs.security import check_torch_version
@@ -319,7 +319,7 @@ def check_shapes(
         raise CheckpointError(
             f"weights do not fit the stored config: {len(weights)} tensors cannot hold its {layers} layers"
         )
-    with torch.device("meta"):
+    with on_meta():
         expected = build_kind(kind, config, tokenizer).state_dict()
     missing, unexpected = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
     if missing or unexpected:

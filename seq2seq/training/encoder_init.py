@@ -20,7 +20,7 @@ import torch
 
 from seq2seq.config import ExperimentConfig, config_changes, to_dict
 from seq2seq.errors import CheckpointError, ConfigError
-from seq2seq.model import Seq2SeqModel, Seq2SeqTransformer, build_model
+from seq2seq.model import Seq2SeqModel, Seq2SeqTransformer, build_model, on_meta
 from seq2seq.runs import checkpoint as ckpt
 from seq2seq.runs.run_dir import RunDirectory
 from seq2seq.training.finetune import VOCABULARY_KEYS
@@ -80,7 +80,7 @@ def encoder_weights(checkpoint: ckpt.Checkpoint) -> dict[str, torch.Tensor]:
 def check_encoder(pretrained: ckpt.Checkpoint, cfg: ExperimentConfig, where: str) -> None:
     """Every tensor of this config's encoder, of the same shape, in the pretrained one; one line if not."""
     tokenizer = pretrained.tokenizer
-    with torch.device("meta"):
+    with on_meta():
         model = build_model(cfg.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
     assert isinstance(model, Seq2SeqTransformer)  # read_pretrained refuses the other architectures
     expected = model.encoder.state_dict()

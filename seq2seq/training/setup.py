@@ -22,7 +22,7 @@ from seq2seq.config import (
 )
 from seq2seq.device import resolve_device, resolve_precision
 from seq2seq.errors import TrainingError
-from seq2seq.model import Seq2SeqModel, build_model
+from seq2seq.model import Seq2SeqModel, build_model, on_meta
 from seq2seq.runs import checkpoint as ckpt
 from seq2seq.runs.checkpoint import Checkpoint, Progress
 from seq2seq.runs.run_dir import RunDirectory
@@ -221,7 +221,7 @@ def check_resumable(resume: Checkpoint, cfg: ExperimentConfig, run: RunDirectory
             f"was started with {old} and its tokenizer, data and weights depend on it{others}; for a new run with "
             "these settings, choose another train.run_dir"
         )
-    with torch.device("meta"):  # the model and optimizer being resumed, without memory: refuse before any log
+    with on_meta():  # the model and optimizer being resumed, without memory: refuse before any log
         model = ckpt.build_kind(resume.kind, cfg, resume.tokenizer)
     resume.check_resumable_into(build_optimizer(model, cfg.optim), None, str(run.last))
     return [f"{key}: {old} -> {new}" for key, old, new in changes]
