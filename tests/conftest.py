@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from filelock import FileLock
 
 from seq2seq.cli import main
 from seq2seq.config import ModelConfig, TransformerConfig, migrate_model
@@ -141,25 +143,42 @@ def decodes_and_evaluates(
     assert "BLEU" in capsys.readouterr().out
 
 
+def made_once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], object]) -> Path:
+    """`name` in a directory shared by every test process of this run, made by `make(path)` in the first process
+    that asks for it (under a file lock; the others wait, then read the same files: built once for the run, not
+    once per process). Its users only read it."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # where the xdist workers' roots are
+    path, done = root / name, root / f"{name}.done"
+    with FileLock(root / f"{name}.lock"):
+        if not done.exists():
+            shutil.rmtree(path, ignore_errors=True)  # what a process that failed here left
+            make(path)
+            done.touch()
+    return path
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_corpus(tmp_path_factory.mktemp("reversal"))
+    return made_once(tmp_path_factory, "reversal", write_corpus)
 
 
 @pytest.fixture(scope="session")
 def trained_run(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny model trained through the CLI until it reverses sentences (~97% exact; 15-40 s on 2 shared cores).
+    """A tiny model trained through the CLI until it reverses sentences (~97% exact; 15-40 s on 2 shared cores),
+    once for the whole run (`made_once`).
 
     One thread: with torch's default (a thread per core) this run took 20x longer while other
     processes shared the two cores; a model this small gains little from a second thread anyway.
     fp32 explicitly: `auto` is bf16 on CPUs with native bf16, and what the model learns must not
     depend on the CPU kind the tests run on.
     """
-    run_dir = tmp_path_factory.mktemp("runs") / "tiny"
-    overrides = tiny_overrides(corpus, run_dir, "train.max_epochs=30", "train.threads=1", "train.precision=fp32")
-    code = main(["train", "--config", str(TINY), *overrides])
-    assert code == 0
-    return run_dir
+
+    def train(directory: Path) -> None:
+        settings = ("train.max_epochs=30", "train.threads=1", "train.precision=fp32")
+        assert main(["train", "--config", str(TINY), *tiny_overrides(corpus, directory / "tiny", *settings)]) == 0
+
+    return made_once(tmp_path_factory, "trained_run", train) / "tiny"  # the run's name: what `serve` shows
 
 
 @pytest.fixture
