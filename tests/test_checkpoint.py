@@ -438,7 +438,6 @@ def test_checkpoints_of_the_flat_model_layout_load_and_resave_in_todays(
 
 META_BUILD = """
 import sys
-import torch
 from seq2seq.config import load_config
 from seq2seq.model import build_model, on_meta
 from seq2seq.model.masked_lm import build_masked_lm

@@ -49,6 +49,7 @@ class _SkipInitOnMeta(TorchFunctionMode):
         self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
+        # torch.nn.init's functions; and Tensor.normal_, which those without a torch-function hook call (xavier_normal_)
         initializer = getattr(func, "__module__", None) == "torch.nn.init" or func is torch.Tensor.normal_
         tensor = args[0] if args else kwargs.get("tensor")  # torch.nn.init passes its tensor by keyword
         if initializer and isinstance(tensor, torch.Tensor) and tensor.is_meta:
