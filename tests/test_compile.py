@@ -35,7 +35,8 @@ FAST = ("validation.bleu=false", "train.max_tokens=256", "train.max_epochs=1000"
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_corpus(tmp_path_factory.mktemp("small"), n_train=600)
+    """150 pairs: 4 batches an epoch at 256 tokens, so a compiled run meets few shapes (each a graph of seconds)."""
+    return write_corpus(tmp_path_factory.mktemp("small"), n_train=150)
 
 
 @pytest.fixture
@@ -125,10 +126,10 @@ def test_a_compiled_run_resumes_exactly(small: Path, tmp_path: Path, aot_eager: 
     resumes to the weights of its uninterrupted twin."""
     compiled = ("model.dropout=0.2", "model.transformer.attention_dropout=0.1", "optim.warmup_steps=4")
     compiled += ("train.compile=default",)
-    whole = train(config(small, tmp_path / "whole", *compiled, "train.max_steps=20"))
-    train(config(small, tmp_path / "part", *compiled, "train.max_steps=5"))
+    whole = train(config(small, tmp_path / "whole", *compiled, "train.max_steps=6"))
+    train(config(small, tmp_path / "part", *compiled, "train.max_steps=2"))  # mid-epoch: an epoch is 4 updates
     torch._dynamo.reset()  # a resumed run starts in a new process: nothing compiled yet
-    resumed = train(config(small, tmp_path / "part", *compiled, "train.max_steps=20"))
+    resumed = train(config(small, tmp_path / "part", *compiled, "train.max_steps=6"))
     assert whole.epoch == 2 and (resumed.step, resumed.epoch) == (whole.step, whole.epoch)
     a, b = (ckpt.read(tmp_path / name / LAST).model for name in ("whole", "part"))
     assert all(torch.equal(a[name], b[name]) for name in a)
