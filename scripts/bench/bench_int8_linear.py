@@ -1,5 +1,6 @@
 """One linear, the ways this PyTorch can run it on the CPU, side by side in one process: float32 (MKL's
-`F.linear`, oneDNN's prepacked weights) and int8 (`torch._int_mm`, FBGEMM through `fbgemm_int8_linear`).
+`F.linear`, MKL's packed GEMM, oneDNN's prepacked weights) and int8 (`torch._int_mm`, FBGEMM through
+`fbgemm_int8_linear`).
 
     .venv/bin/python scripts/bench/bench_int8_linear.py --rows 64 320 --shapes 256x8000 256x1024 256x256 1024x256
 
@@ -38,11 +39,14 @@ def median_us(fn: Callable[[], object], rounds: int, calls: int) -> float:
     return statistics.median(times)
 
 
-def ways(weight: torch.Tensor, bias: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+def ways(weight: torch.Tensor, bias: torch.Tensor, rows: int) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     out: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
         "float32 MKL": lambda x: F.linear(x, weight, bias),
         "float32 oneDNN packed": packed.packed_linear(weight, bias),
     }
+    if torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"):  # packed for `rows` rows
+        mkl_weight = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
+        out["float32 MKL packed"] = lambda x: torch.ops.mkl._mkl_linear(x, mkl_weight, weight, bias, rows)
     if packed.int_mm_available():
         w_scale = weight.abs().amax(dim=1) / 63
         w_int8 = torch.round(weight / w_scale[:, None]).to(torch.int8).t().contiguous()
@@ -69,7 +73,10 @@ def main() -> None:
             weight, bias = torch.randn(n_out, n_in) * 0.05, torch.randn(n_out)
             x = torch.randn(rows, n_in)
             with torch.no_grad():
-                calls = {name: functools.partial(f, x) for name, f in ways(weight, bias).items()}
+                calls = {name: functools.partial(f, x) for name, f in ways(weight, bias, rows).items()}
+                for name, call in calls.items():  # the float32 ways compute the same product
+                    if name.startswith("float32"):
+                        torch.testing.assert_close(call(), F.linear(x, weight, bias), rtol=1e-4, atol=1e-3)
                 times = {name: median_us(call, args.rounds, args.calls) for name, call in calls.items()}
             base = times["float32 oneDNN packed"]
             cells = ", ".join(f"{name} {us:,.0f} us ({base / us:.2f}x)" for name, us in times.items())
