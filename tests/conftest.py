@@ -57,7 +57,7 @@ Trainer.fit = _counted_fit  # type: ignore[method-assign]
 # run first: `scripts/check.sh` hands whole files to its two test processes in collection order, one more to a
 # process whenever it runs out, so a long file started last would leave the other process idle for minutes.
 # test_export.py goes before them all: its first test trains the shared `trained_run`, which most files wait for,
-# and the README's file beside it does not need it (started later, another file's process waited ~40 s for it).
+# and the README's file beside it does not need it (started later, another file's process waited 36 s for it).
 FIRST_FILE = "test_export.py"
 LONGEST_FILES = {
     "test_readme.py": 201,
