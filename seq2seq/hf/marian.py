@@ -40,6 +40,24 @@ FOREIGN_KEYS = ("normalize_before", "add_final_layer_norm", "normalize_embedding
 PAD_LOGIT_BIAS = -50.0  # our PAD's output bias: exp(-50) adds nothing to a softmax, so log-probs are Marian's
 
 
+def layer_modules(encoder_layers: int, decoder_layers: int) -> list[tuple[str, str, str]]:
+    """(kind, our name, Marian's name) of every sub-module of the layers, encoder first: kind is attention
+    (Q, K, V and output projections), norm (a LayerNorm) or ffn (fc1 and fc2). Import and export both walk
+    this one list, each in its own direction."""
+    modules = []
+    for side, layers in (("encoder", encoder_layers), ("decoder", decoder_layers)):
+        for i in range(layers):
+            ours, marian = f"{side}.layers.{i}", f"model.{side}.layers.{i}"
+            self_norm = "self_block" if side == "decoder" else "attn_block"
+            modules += [("attention", f"{ours}.self_attn", f"{marian}.self_attn")]
+            modules += [("norm", f"{ours}.{self_norm}.norm", f"{marian}.self_attn_layer_norm")]
+            if side == "decoder":
+                modules += [("attention", f"{ours}.cross_attn", f"{marian}.encoder_attn")]
+                modules += [("norm", f"{ours}.cross_block.norm", f"{marian}.encoder_attn_layer_norm")]
+            modules += [("ffn", ours, marian), ("norm", f"{ours}.ffn_block.norm", f"{marian}.final_layer_norm")]
+    return modules
+
+
 @dataclass(frozen=True)
 class MarianSettings:
     """What of a Marian config.json the conversion uses, checked."""
@@ -264,21 +282,10 @@ def import_weights(
         src_embedding = w.get(src_name, shape=(s.vocab_size, d))[:, perm]
         tgt_embedding = w.get(tgt_name, shape=(s.decoder_vocab_size, d))[:, perm]
     out["encoder.embedding.tokens.weight"] = vocab_rows(src_embedding, src_order)
-    for i in range(s.encoder_layers):
-        ours, marian = f"encoder.layers.{i}", f"model.encoder.layers.{i}"
-        attention(f"{ours}.self_attn", f"{marian}.self_attn")
-        norm(f"{ours}.attn_block.norm", f"{marian}.self_attn_layer_norm")
-        ffn(ours, marian)
-        norm(f"{ours}.ffn_block.norm", f"{marian}.final_layer_norm")
     out["decoder.embedding.tokens.weight"] = vocab_rows(tgt_embedding, tgt_order)
-    for i in range(s.decoder_layers):
-        ours, marian = f"decoder.layers.{i}", f"model.decoder.layers.{i}"
-        attention(f"{ours}.self_attn", f"{marian}.self_attn")
-        norm(f"{ours}.self_block.norm", f"{marian}.self_attn_layer_norm")
-        attention(f"{ours}.cross_attn", f"{marian}.encoder_attn")
-        norm(f"{ours}.cross_block.norm", f"{marian}.encoder_attn_layer_norm")
-        ffn(ours, marian)
-        norm(f"{ours}.ffn_block.norm", f"{marian}.final_layer_norm")
+    mappers = {"attention": attention, "norm": norm, "ffn": ffn}
+    for kind, ours, marian in layer_modules(s.encoder_layers, s.decoder_layers):
+        mappers[kind](ours, marian)
     if s.tied_output:
         out["decoder.output.weight"] = out["decoder.embedding.tokens.weight"]
     else:
@@ -356,20 +363,9 @@ def export_weights(model: Mapping[str, Tensor], cfg: ExperimentConfig) -> dict[s
         put("model.shared.weight", src)
     put("model.encoder.embed_tokens.weight", src)
     put("model.decoder.embed_tokens.weight", tgt)
-    for i in range(t.encoder_layers):
-        marian, ours = f"model.encoder.layers.{i}", f"encoder.layers.{i}"
-        attention(f"{marian}.self_attn", f"{ours}.self_attn")
-        norm(f"{marian}.self_attn_layer_norm", f"{ours}.attn_block.norm")
-        ffn(marian, ours)
-        norm(f"{marian}.final_layer_norm", f"{ours}.ffn_block.norm")
-    for i in range(t.decoder_layers):
-        marian, ours = f"model.decoder.layers.{i}", f"decoder.layers.{i}"
-        attention(f"{marian}.self_attn", f"{ours}.self_attn")
-        norm(f"{marian}.self_attn_layer_norm", f"{ours}.self_block.norm")
-        attention(f"{marian}.encoder_attn", f"{ours}.cross_attn")
-        norm(f"{marian}.encoder_attn_layer_norm", f"{ours}.cross_block.norm")
-        ffn(marian, ours)
-        norm(f"{marian}.final_layer_norm", f"{ours}.ffn_block.norm")
+    mappers = {"attention": attention, "norm": norm, "ffn": ffn}
+    for kind, ours, marian in layer_modules(t.encoder_layers, t.decoder_layers):
+        mappers[kind](marian, ours)
     put("lm_head.weight", vocab("decoder.output.weight"))
     bias = model.get("decoder.output.bias")
     put("final_logits_bias", (bias[1:] if bias is not None else torch.zeros(tgt.shape[0]))[None, :])
