@@ -16,13 +16,41 @@ with its own OpenMP runtime). `SEQ2SEQ_PEER_QUANTIZE=int8` times our int8 decodi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 SUITE = Path(__file__).resolve().parents[3] / "shared" / "bench-peers"
+
+
+@contextlib.contextmanager
+def one_translator(ctranslate2: Any) -> Iterator[None]:
+    """The suite's `make_ct2` builds a Translator per call; inside this block, calls with the same arguments
+    share one, so that both lengths are decoded by one engine, as the suite's own runs have it.
+
+    Two Translators in one process are two worker threads, each with its own OpenMP team: CTranslate2's
+    runtime then counts more threads than CPUs and throttles every thread's spinning, and each engine runs
+    about half as fast once the other has run (docs/results.md, "The peer table on the AVX512-BF16 EPYC
+    with AVX-VNNI").
+    """
+    made: dict[str, Any] = {}
+    plain = ctranslate2.Translator
+
+    def shared(*args: Any, **kwargs: Any) -> Any:
+        key = repr((args, sorted(kwargs.items())))
+        if key not in made:
+            made[key] = plain(*args, **kwargs)
+        return made[key]
+
+    ctranslate2.Translator = shared
+    try:
+        yield
+    finally:
+        ctranslate2.Translator = plain
 
 
 def main() -> None:
@@ -42,21 +70,22 @@ def main() -> None:
     sys.path[:0] = [root, str(args.suite)]
     from seq2seq.deploy.exported import import_ctranslate2
 
-    import_ctranslate2()  # its own OpenMP runtime, as seq2seq loads it (peer_own_openmp.py)
+    ctranslate2 = import_ctranslate2()  # its own OpenMP runtime, as seq2seq loads it (peer_own_openmp.py)
     import common
     import decode_interleaved as suite
 
     common.setup_threads()
     src, _, _ = common.load_decode_batch()
     systems: dict[tuple[str, int], Callable[[], object]] = {}
-    for steps in (short, long):
-        run, expected = suite.make_seq2seq(args.config, args.beam, src, steps - 1)
-        assert all(n == expected for n in run()), "seq2seq decoded another length"
-        systems["seq2seq", steps] = run
-        suite.DECODE_LEN = steps  # make_ct2 reads the suite's length when it builds its call
-        run, expected = suite.make_ct2(args.config, args.beam, args.ct2)
-        assert all(n == expected for n in run()), "CTranslate2 decoded another length"
-        systems["ct2", steps] = run
+    with one_translator(ctranslate2):
+        for steps in (short, long):
+            run, expected = suite.make_seq2seq(args.config, args.beam, src, steps - 1)
+            assert all(n == expected for n in run()), "seq2seq decoded another length"
+            systems["seq2seq", steps] = run
+            suite.DECODE_LEN = steps  # make_ct2 reads the suite's length when it builds its call
+            run, expected = suite.make_ct2(args.config, args.beam, args.ct2)
+            assert all(n == expected for n in run()), "CTranslate2 decoded another length"
+            systems["ct2", steps] = run
     names = list(systems)
     times: dict[tuple[str, int], list[float]] = {name: [] for name in names}
     for name in names:
