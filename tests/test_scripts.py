@@ -117,6 +117,19 @@ def test_bench_decode_compares_engines(trained_run: Path, corpus: Path, tmp_path
         assert checkpoint["ct2-float32"]["same_as_pytorch"] >= 0.8  # the same model in another engine
 
 
+def test_bench_decode_says_when_two_ctranslate2_engines_share_a_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two CTranslate2 engines on the CPU in one run slow each other, so such a run says so; one does not."""
+    spec = importlib.util.spec_from_file_location("bench_engines", SCRIPTS / "bench" / "bench_engines.py")
+    assert spec is not None and spec.loader is not None
+    engines = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_engines", engines)  # its dataclasses look their module up
+    spec.loader.exec_module(engines)
+    note = engines.shared_runtime_note(["pytorch", "ct2-float32", "ct2-int8"], "cpu")
+    assert note is not None and "ct2-float32 and ct2-int8" in note
+    assert engines.shared_runtime_note(["pytorch", "ct2-float32", "hf"], "cpu") is None
+    assert engines.shared_runtime_note(["ct2-float32", "ct2-int8"], "cuda") is None
+
+
 def test_bench_decode_compares_with_hf_generate_in_the_same_batches(
     trained_run: Path, corpus: Path, tmp_path: Path
 ) -> None:

@@ -86,6 +86,10 @@ def compare_engines(args: argparse.Namespace, checkpoint: Path) -> None:
     batching = f"batches of {args.batch_sentences} sentences" if args.batch_sentences else "each system's own batches"
     print(f"{len(lines)} sentences of {args.src}; {args.threads} threads; CPU flags: {cpu_flags() or 'unknown'}")
     print(f"device: {device}; {batching}")
+    note = shared_runtime_note(systems, args.device)
+    if note:
+        print(f"note: {note}")
+        summary["note"] = note
     with tempfile.TemporaryDirectory(prefix="bench-engines-") as tmp:
         for shape in args.shapes.split(","):
             model = checkpoint if shape == "checkpoint" else random_checkpoint(checkpoint, shape, Path(tmp))
@@ -98,6 +102,19 @@ def compare_engines(args: argparse.Namespace, checkpoint: Path) -> None:
                 summary["results"][name] = report(name, results, refs)
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2), encoding="utf-8")
+
+
+def shared_runtime_note(systems: Sequence[str], device: str) -> str | None:
+    """What a run with more than one CTranslate2 engine on the CPU should be read with, else None."""
+    engines = [name for name in systems if name.startswith("ct2-")]
+    if device != "cpu" or len(engines) < 2:
+        return None
+    return (
+        f"{' and '.join(engines)} share one process: once both have run, CTranslate2's OpenMP runtime counts "
+        "more threads than CPUs and throttles them, and each runs about half as fast (docs/results.md, "
+        "'The peer table on the AVX512-BF16 EPYC with AVX-VNNI'); run one CTranslate2 system per "
+        "invocation for its speed"
+    )
 
 
 def compare(
