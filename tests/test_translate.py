@@ -17,6 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import ROOT, reversal_pairs, single_thread_env
 
 from seq2seq.cli import main
@@ -57,6 +58,28 @@ def test_translations_do_not_depend_on_the_batch(translator: Translator, strateg
         assert outputs(mixed) == outputs(alone)
         for a, m in zip(alone, mixed):
             assert [h.score for h in m.hypotheses] == pytest.approx([h.score for h in a.hypotheses], abs=1e-4)
+
+
+def test_translation_runs_in_eval_mode_and_leaves_the_models_mode_as_it_was(checkpoint: Path) -> None:
+    """Decoding sees every module in eval mode, whether the model came in training (validation) or eval mode
+    (translate, serve), and the model leaves in the mode it came in."""
+    translator = Translator.from_checkpoint(checkpoint)
+    model = translator.model
+    seen: list[bool] = []
+    hook = model.encoder.register_forward_pre_hook(lambda module, args: seen.append(any_training(module)))
+    try:
+        expected = translator.translate(LINES[:3])
+        assert seen == [False] and not any_training(model)
+        model.train()
+        assert translator.translate(LINES[:3]) == expected
+        assert seen == [False, False] and all(m.training for m in model.modules())
+    finally:
+        hook.remove()
+        model.eval()
+
+
+def any_training(module: torch.nn.Module) -> bool:
+    return any(m.training for m in module.modules())
 
 
 def test_output_follows_input_order(translator: Translator) -> None:
