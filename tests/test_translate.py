@@ -66,7 +66,7 @@ def test_translation_runs_in_eval_mode_and_leaves_the_models_mode_as_it_was(chec
     translator = Translator.from_checkpoint(checkpoint)
     model = translator.model
     seen: list[bool] = []
-    hook = model.encoder.register_forward_pre_hook(lambda module, args: seen.append(any_training(module)))
+    hook = model.encoder.register_forward_pre_hook(lambda module, args: seen.append(any_training(model)))
     try:
         expected = translator.translate(LINES[:3])
         assert seen == [False] and not any_training(model)
