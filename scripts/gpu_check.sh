@@ -49,10 +49,12 @@ median_tok_s() {  # the median training tokens/s of a run's metrics.jsonl
 rates = [r['tokens_per_s'] for r in map(json.loads, open(sys.argv[1])) if r.get('event') == 'train']
 print(f'{statistics.median(rates):.0f} tok/s (median of {len(rates)})' if rates else 'no tok/s logged')" "$1"
 }
+# The same model in each precision: the quickstart's by_precision block would widen d_ff to 1,024 in bf16
+QS_WIDTH=model.transformer.d_ff=512
 for precision in $PRECISIONS; do
   run="$OUT/quickstart_$precision"
   rm -rf "$run"
-  if $S2S train --config configs/quickstart.yaml "train.run_dir=$run" train.device=cuda "train.precision=$precision" \
+  if $S2S train --config configs/quickstart.yaml "train.run_dir=$run" train.device=cuda "train.precision=$precision" $QS_WIDTH \
       "train.max_steps=$STEPS" train.max_minutes=0 > "$OUT/train_$precision.log" 2>&1; then
     note "train $precision: $(grep -o "step $STEPS: valid .*" "$run/train.log" | tail -1); $(median_tok_s "$run/metrics.jsonl")"
   else
@@ -74,7 +76,7 @@ bench_trainer() {  # LABEL ARGS...: the loop's share of its update step's tok/s,
 BASE=(model.d_model=512 model.transformer.n_heads=8 model.transformer.d_ff=2048 model.transformer.encoder_layers=6
   model.transformer.decoder_layers=6 train.max_tokens=16384)
 for precision in fp32 bf16; do
-  bench_trainer "quickstart_$precision" --config configs/quickstart.yaml --set "train.precision=$precision"
+  bench_trainer "quickstart_$precision" --config configs/quickstart.yaml --set "train.precision=$precision" $QS_WIDTH
   bench_trainer "en_de_$precision" --config configs/m30k_en_de.yaml --set "train.precision=$precision"
   bench_trainer "base_$precision" --config configs/quickstart.yaml --set "train.precision=$precision" "${BASE[@]}"
 done

@@ -14,6 +14,7 @@ configuration reference in docs/guide.md is generated from the same fields.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import functools
@@ -1055,10 +1056,71 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         if isinstance(raw.get("model"), dict):  # before the overrides, which use today's names
             raw["model"] = migrate_model(raw["model"], source)
         raw = migrate_train(raw, source)
-    for item in overrides:
-        _apply_override(raw, item)
+    blocks = _precision_blocks(raw.pop(BY_PRECISION, None), source)
+    given = dict(_parse_override(item) for item in overrides)
     where = source if not overrides else f"{source} + command line"
-    return from_dict(raw, where)
+    cfg = from_dict(_overridden(raw, {}, given, source), where)
+    if not blocks:
+        return cfg
+    for name, block in blocks.items():  # every block is checked, not only the one this machine picks
+        from_dict(_overridden(raw, block, given, source), f"{where}, {BY_PRECISION}.{name}")
+    precision = _training_precision(cfg)
+    chosen = blocks.get(precision)
+    if not chosen:
+        return cfg
+    applied = [f"{key}={value}" for key, value in chosen.items() if key not in given]
+    if applied:
+        log.info(
+            "%s: training in %s here: %s.%s sets %s", source, precision, BY_PRECISION, precision, ", ".join(applied)
+        )
+    return from_dict(_overridden(raw, chosen, given, source), f"{where}, {BY_PRECISION}.{precision}")
+
+
+# `by_precision:` in a config file: settings for the precision training resolves to on the machine that trains
+# (`train.precision: auto` is bf16 on a CPU with native bf16, fp32 on one without), applied over the file's own
+# and under the command line's. A run's config.yaml and its checkpoints hold the result, not the block. The
+# settings that decide the precision cannot depend on it.
+BY_PRECISION = "by_precision"
+PRECISION_NAMES = ("fp32", "bf16", "fp16")
+DECIDE_PRECISION = ("train.precision", "train.device", "model.d_model")
+
+
+def _precision_blocks(raw: Any, source: str) -> dict[str, dict[str, Any]]:
+    """The `by_precision` section of a config file as {precision: {dotted key: value}}, its keys checked."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: {BY_PRECISION} must be a mapping of precisions, got {type(raw).__name__}")
+    blocks: dict[str, dict[str, Any]] = {}
+    for name, block in raw.items():
+        where = f"{BY_PRECISION}.{name}"
+        if name not in PRECISION_NAMES:
+            raise ConfigError(f"{source}: unknown key '{where}' (a precision: {', '.join(PRECISION_NAMES)})")
+        if block is not None and not isinstance(block, dict):
+            raise ConfigError(f"{source}: {where} must be a mapping of settings, got {type(block).__name__}")
+        settings = dotted(block or {})
+        for key in settings:
+            if key in DECIDE_PRECISION:
+                raise ConfigError(f"{source}: {where}.{key}: the precision depends on {key}, so it cannot be set here")
+        blocks[name] = settings
+    return blocks
+
+
+def _overridden(raw: dict[str, Any], block: dict[str, Any], given: dict[str, Any], source: str) -> dict[str, Any]:
+    """A copy of a config file's dict with a `by_precision` block's settings, then the command line's, applied."""
+    out = copy.deepcopy(raw)
+    for key, value in block.items():
+        _set(out, key, value, f"{source}: {BY_PRECISION}")
+    for key, value in given.items():
+        _set(out, key, value, "command line")
+    return out
+
+
+def _training_precision(cfg: ExperimentConfig) -> str:
+    """The precision `cfg` trains in on this machine, as training resolves it (torch is imported only here)."""
+    from seq2seq.device import resolve_device, resolve_precision
+
+    return resolve_precision(cfg.train.precision, resolve_device(cfg.train.device), cfg.model.d_model)
 
 
 def _read_config_file(path: str | Path) -> bytes:
@@ -1117,11 +1179,28 @@ def _parse_yaml(text: str) -> Any:
 
 
 def _apply_override(raw: dict[str, Any], item: str) -> None:
+    _set(raw, *_parse_override(item), "command line")
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    """The dotted key (today's name) and the value of a `section.key=value` override."""
     key, sep, text = item.partition("=")
     key = key.strip()
     if not sep or not key:
         raise ConfigError(f"command line: override {item!r} must look like section.key=value")
     key = migrate_override(key)
+    if key.split(".")[0] == BY_PRECISION:
+        raise ConfigError(
+            f"command line: {key}: {BY_PRECISION} is read from config files only; override the setting itself"
+        )
+    try:
+        return key, _parse_yaml(text) if text.strip() else ""
+    except (yaml.YAMLError, RecursionError):  # not YAML: keep the text as it was typed
+        return key, text
+
+
+def _set(raw: dict[str, Any], key: str, value: Any, source: str) -> None:
+    """Set the dotted `key` of a nested config dict, making the sections it needs."""
     parts = key.split(".")
     node = raw
     for part in parts[:-1]:
@@ -1129,12 +1208,9 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
             node[part] = {}
         child = node[part]
         if not isinstance(child, dict):
-            raise ConfigError(f"command line: {key}: {part!r} is not a section")
+            raise ConfigError(f"{source}: {key}: {part!r} is not a section")
         node = child
-    try:
-        node[parts[-1]] = _parse_yaml(text) if text.strip() else ""
-    except (yaml.YAMLError, RecursionError):  # not YAML: keep the text as it was typed
-        node[parts[-1]] = text
+    node[parts[-1]] = value
 
 
 def _build(cls: type, raw: Any, source: str, prefix: str) -> Any:

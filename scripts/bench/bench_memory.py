@@ -41,12 +41,15 @@ if sys.argv[1] == "exact":
 from seq2seq.cli import main
 sys.exit(main(sys.argv[2:]))
 """
+QUICKSTART = ROOT / "configs" / "quickstart.yaml"
+# One model in every precision: the quickstart's `by_precision` block widens d_ff to 1,024 in bf16
+QUICKSTART_WIDTH = ["model.transformer.d_ff=512"]
 STEP_LINE = re.compile(r"^(\S+ \S+) (?:DEBUG|INFO) step (\d+): .* ([\d.]+) tokens/s$")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", default=str(ROOT / "configs/quickstart.yaml"))
+    p.add_argument("--config", default=str(QUICKSTART))
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--threads", type=int, default=2, help="train.threads (default 2)")
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
@@ -74,6 +77,7 @@ def run(name: str, args: argparse.Namespace) -> tuple[list[tuple[float, int]], P
         f"train.threads={args.threads}",
         "validation.every=1000000",
         "train.log_every=1",
+        *(QUICKSTART_WIDTH if Path(args.config).resolve() == QUICKSTART else []),
         *args.overrides,
     ]
     child = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
