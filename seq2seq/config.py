@@ -1057,7 +1057,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             raw["model"] = migrate_model(raw["model"], source)
         raw = migrate_train(raw, source)
     blocks = _precision_blocks(raw.pop(BY_PRECISION, None), source)
-    given = dict(_parse_override(item) for item in overrides)
+    given = [_parse_override(item) for item in overrides]  # in order: a later one may undo an earlier one
     where = source if not overrides else f"{source} + command line"
     cfg = from_dict(_overridden(raw, {}, given, source), where)
     if not blocks:
@@ -1068,7 +1068,8 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     chosen = blocks.get(precision)
     if not chosen:
         return cfg
-    applied = [f"{key}={value}" for key, value in chosen.items() if key not in given]
+    overridden = {key for key, _ in given}
+    applied = [f"{key}={value}" for key, value in chosen.items() if key not in overridden]
     if applied:
         log.info(
             "%s: training in %s here: %s.%s sets %s", source, precision, BY_PRECISION, precision, ", ".join(applied)
@@ -1106,12 +1107,14 @@ def _precision_blocks(raw: Any, source: str) -> dict[str, dict[str, Any]]:
     return blocks
 
 
-def _overridden(raw: dict[str, Any], block: dict[str, Any], given: dict[str, Any], source: str) -> dict[str, Any]:
+def _overridden(
+    raw: dict[str, Any], block: dict[str, Any], given: list[tuple[str, Any]], source: str
+) -> dict[str, Any]:
     """A copy of a config file's dict with a `by_precision` block's settings, then the command line's, applied."""
     out = copy.deepcopy(raw)
     for key, value in block.items():
         _set(out, key, value, f"{source}: {BY_PRECISION}")
-    for key, value in given.items():
+    for key, value in given:
         _set(out, key, value, "command line")
     return out
 
