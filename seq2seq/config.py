@@ -1062,19 +1062,19 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     cfg = from_dict(_overridden(raw, {}, given, source), where)
     if not blocks:
         return cfg
-    for name, block in blocks.items():  # every block is checked, not only the one this machine picks
-        from_dict(_overridden(raw, block, given, source), f"{where}, {BY_PRECISION}.{name}")
+    # every block is checked, not only the one this machine picks
+    built = {
+        name: from_dict(_overridden(raw, block, given, source), f"{where}, {BY_PRECISION}.{name}")
+        for name, block in blocks.items()
+    }
     precision = _training_precision(cfg)
-    chosen = blocks.get(precision)
-    if not chosen:
-        return cfg
     overridden = {key for key, _ in given}
-    applied = [f"{key}={value}" for key, value in chosen.items() if key not in overridden]
+    applied = [f"{key}={value}" for key, value in blocks.get(precision, {}).items() if key not in overridden]
     if applied:
         log.info(
             "%s: training in %s here: %s.%s sets %s", source, precision, BY_PRECISION, precision, ", ".join(applied)
         )
-    return from_dict(_overridden(raw, chosen, given, source), f"{where}, {BY_PRECISION}.{precision}")
+    return built.get(precision, cfg)
 
 
 # `by_precision:` in a config file: settings for the precision training resolves to on the machine that trains
@@ -1100,9 +1100,12 @@ def _precision_blocks(raw: Any, source: str) -> dict[str, dict[str, Any]]:
         if block is not None and not isinstance(block, dict):
             raise ConfigError(f"{source}: {where} must be a mapping of settings, got {type(block).__name__}")
         settings = dotted(block or {})
-        for key in settings:
-            if key in DECIDE_PRECISION:
-                raise ConfigError(f"{source}: {where}.{key}: the precision depends on {key}, so it cannot be set here")
+        for key in settings:  # a whole section (`model: null`) would set them too
+            decided = next((d for d in DECIDE_PRECISION if d == key or d.startswith(f"{key}.")), None)
+            if decided:
+                raise ConfigError(
+                    f"{source}: {where}.{key}: the precision depends on {decided}, so it cannot be set here"
+                )
         blocks[name] = settings
     return blocks
 

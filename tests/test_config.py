@@ -296,6 +296,7 @@ def test_by_precision_loses_to_the_command_line_and_is_not_stored(tmp_path: Path
         ("  bf16: 3\n", ["by_precision.bf16 must be a mapping"]),
         ("  bf16:\n    train.precision: fp32\n", ["by_precision.bf16.train.precision", "depends on"]),
         ("  fp32:\n    model:\n      d_model: 128\n", ["by_precision.fp32.model.d_model", "depends on"]),
+        ("  fp32:\n    model: null\n", ["by_precision.fp32.model:", "depends on model.d_model"]),
         ("  fp16:\n    model.transformer.dff: 64\n", ["by_precision.fp16", "'model.transformer.dff'", "d_ff"]),
         ("  bf16:\n    model.dropout: 1.5\n", ["by_precision.bf16", "model.dropout"]),
     ],
