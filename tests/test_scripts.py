@@ -117,6 +117,23 @@ def test_bench_decode_compares_engines(trained_run: Path, corpus: Path, tmp_path
         assert checkpoint["ct2-float32"]["same_as_pytorch"] >= 0.8  # the same model in another engine
 
 
+@pytest.mark.parametrize("compare", ["cache", "engines"])
+def test_bench_decode_names_a_missing_source_file_in_one_line(trained_run: Path, tmp_path: Path, compare: str) -> None:
+    missing = tmp_path / "nowhere.de.gz"
+    args = ["--compare", compare, "-c", str(trained_run / "checkpoint_best.pt"), "--src", str(missing), "-n", "2"]
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench" / "bench_decode.py"), *args],
+        cwd=tmp_path,
+        env=single_thread_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [f"bench_decode: missing data file: {missing}"]
+
+
 def test_bench_decode_says_when_two_ctranslate2_engines_share_a_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two CTranslate2 engines on the CPU in one run slow each other, so such a run says so; one does not."""
     spec = importlib.util.spec_from_file_location("bench_engines", SCRIPTS / "bench" / "bench_engines.py")
