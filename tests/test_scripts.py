@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import ROOT, single_thread_env
 
-from seq2seq import metrics
+from seq2seq import errors, metrics
 from seq2seq.decoding.translate import Translator
 
 SCRIPTS = ROOT / "scripts"
@@ -117,12 +117,40 @@ def test_bench_decode_compares_engines(trained_run: Path, corpus: Path, tmp_path
         assert checkpoint["ct2-float32"]["same_as_pytorch"] >= 0.8  # the same model in another engine
 
 
-@pytest.mark.parametrize("compare", ["cache", "engines"])
-def test_bench_decode_names_a_missing_source_file_in_one_line(trained_run: Path, tmp_path: Path, compare: str) -> None:
-    missing = tmp_path / "nowhere.de.gz"
-    args = ["--compare", compare, "-c", str(trained_run / "checkpoint_best.pt"), "--src", str(missing), "-n", "2"]
+MISSING = "nowhere"  # a file name the cases below give a script, in a directory that does not hold it
+CHECKPOINT = "<the trained checkpoint>"
+NO_DATA = f"missing data file: {MISSING}"
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "said"),
+    [
+        (
+            "bench/bench_decode.py",
+            ["-c", CHECKPOINT, "--compare", "cache", "--src", MISSING],
+            NO_DATA,
+        ),
+        (
+            "bench/bench_decode.py",
+            ["-c", CHECKPOINT, "--compare", "engines", "--src", MISSING],
+            NO_DATA,
+        ),
+        ("bench/decode_grid.py", [MISSING], f"checkpoint not found: {MISSING}"),
+        ("bench/export_fidelity.py", [f"a={MISSING}"], f"checkpoint not found: {MISSING}"),
+        (
+            "bench/bench_serve.py",
+            ["-c", CHECKPOINT, "-i", MISSING],
+            f"[Errno 2] No such file or directory: '{MISSING}'",
+        ),
+    ],
+)
+def test_a_script_names_a_missing_file_in_one_line(
+    trained_run: Path, tmp_path: Path, script: str, args: list[str], said: str
+) -> None:
+    """As the CLI does: one line `script: message`, exit code 1, no traceback (`seq2seq.errors.run_script`)."""
+    args = [str(trained_run / "checkpoint_best.pt") if arg == CHECKPOINT else arg for arg in args]
     proc = subprocess.run(
-        [sys.executable, str(SCRIPTS / "bench" / "bench_decode.py"), *args],
+        [sys.executable, str(SCRIPTS / script), *args],
         cwd=tmp_path,
         env=single_thread_env(),
         capture_output=True,
@@ -131,7 +159,19 @@ def test_bench_decode_names_a_missing_source_file_in_one_line(trained_run: Path,
     )
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines() == [f"bench_decode: missing data file: {missing}"]
+    name = Path(script).stem
+    assert proc.stderr.strip().splitlines()[-1:] == [f"{name}: {said}"]
+
+
+def test_run_script_exits_as_the_cli_does(capsys: pytest.CaptureFixture[str]) -> None:
+    def bad_key() -> None:
+        raise errors.ConfigError("unknown key: train.lr_max")
+
+    with pytest.raises(SystemExit) as stopped:
+        errors.run_script("a_script", bad_key)
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == "a_script: unknown key: train.lr_max\n"
+    errors.run_script("a_script", lambda: None)  # a main that returns: nothing said, no exit
 
 
 def test_bench_decode_says_when_two_ctranslate2_engines_share_a_process(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -58,7 +58,7 @@ from torch.nn.attention import SDPBackend
 from seq2seq.decoding.search import search
 from seq2seq.decoding.translate import SearchFn, Translation, Translator, quantized
 from seq2seq.decoding.uncached import uncached_search
-from seq2seq.errors import UserError
+from seq2seq.errors import run_script
 from seq2seq.model import kernel_scope
 from seq2seq.text.corpus import read_lines
 
@@ -217,13 +217,6 @@ def timed(
 
 def main() -> None:
     args = parse_args()
-    try:
-        bench(args)
-    except UserError as e:  # a missing or unreadable input (--src, the checkpoint): one line, as the CLI says it
-        sys.exit(f"bench_decode: {e}")
-
-
-def bench(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     checkpoint = Path(args.checkpoint)
     ensure_checkpoint(checkpoint, args.train_minutes)
@@ -298,4 +291,4 @@ def report(
 
 
 if __name__ == "__main__":
-    main()
+    run_script("bench_decode", main)

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from seq2seq.errors import run_script
+
 try:
     import aiohttp
 except ModuleNotFoundError:
@@ -175,4 +177,4 @@ def _report(rounds: list[list[Level]], args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script("bench_serve", main)

@@ -79,6 +79,7 @@ from torch.nn.attention import SDPBackend
 
 from seq2seq.config import ExperimentConfig, load_config
 from seq2seq.device import resolve_precision
+from seq2seq.errors import run_script
 from seq2seq.model import Kernels, training_kernel
 from seq2seq.model import linear as linear_module
 from seq2seq.text.corpus import Batch, bucket, collate_pairs, read_parallel
@@ -474,4 +475,4 @@ def _with_linears(onednn: bool | None, update: UpdateStep) -> UpdateStep:
 
 
 if __name__ == "__main__":
-    main()
+    run_script("bench_train", main)

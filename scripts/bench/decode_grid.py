@@ -15,6 +15,7 @@ import torch
 
 from seq2seq import metrics
 from seq2seq.decoding.translate import Translator
+from seq2seq.errors import run_script
 from seq2seq.text.corpus import find_file, read_lines
 
 
@@ -49,4 +50,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script("decode_grid", main)

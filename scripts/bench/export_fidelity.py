@@ -21,6 +21,7 @@ from seq2seq.app.evaluation import EvalSet, eval_set, score
 from seq2seq.decoding.translate import TextTranslator, Translator
 from seq2seq.deploy.export import export_ctranslate2
 from seq2seq.deploy.exported import CTranslate2Translator, import_ctranslate2
+from seq2seq.errors import run_script
 from seq2seq.runs import checkpoint
 
 SEARCHES = {"greedy": {"strategy": "greedy"}, "beam 5": {"strategy": "beam", "beam_size": 5}}
@@ -87,4 +88,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script("export_fidelity", main)

@@ -33,6 +33,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from seq2seq.config import ExperimentConfig, ModelConfig, OptimConfig, TrainConfig, TransformerConfig
 from seq2seq.device import resolve_precision
+from seq2seq.errors import run_script
 from seq2seq.model import build_model
 from seq2seq.text.corpus import Batch
 from seq2seq.text.vocab import BOS, EOS, PAD
@@ -172,4 +173,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script("profile_train", main)
