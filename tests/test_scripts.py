@@ -18,8 +18,9 @@ from seq2seq.decoding.translate import Translator
 SCRIPTS = ROOT / "scripts"
 
 
-def run_script(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(
+def start_script(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """Run scripts/`name` to its end, one thread, its output captured."""
+    return subprocess.run(
         [sys.executable, str(SCRIPTS / name), *args],
         cwd=cwd,
         env=single_thread_env(),
@@ -27,6 +28,10 @@ def run_script(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[
         text=True,
         timeout=300,
     )
+
+
+def run_script(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    proc = start_script(name, *args, cwd=cwd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     return proc
@@ -149,14 +154,7 @@ def test_a_script_names_a_missing_file_in_one_line(
 ) -> None:
     """As the CLI does: one line `script: message`, exit code 1, no traceback (`seq2seq.errors.run_script`)."""
     args = [str(trained_run / "checkpoint_best.pt") if arg == CHECKPOINT else arg for arg in args]
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPTS / script), *args],
-        cwd=tmp_path,
-        env=single_thread_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = start_script(script, *args, cwd=tmp_path)
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
     name = Path(script).stem
