@@ -158,7 +158,7 @@ def test_a_script_names_a_missing_file_in_one_line(
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
     name = Path(script).stem
-    assert proc.stderr.strip().splitlines()[-1:] == [f"{name}: {said}"]
+    assert proc.stderr.strip().splitlines() == [f"{name}: {said}"]
 
 
 def test_run_script_exits_as_the_cli_does(capsys: pytest.CaptureFixture[str]) -> None:
