@@ -127,6 +127,8 @@ def test_evaluate_a_hypothesis_file(tmp_path: Path) -> None:
     refs.write_text("a dog runs .\n", encoding="utf-8")
     with pytest.raises(DataError, match="2 hypotheses but 1 references"):
         evaluate(EvaluateOptions(hypotheses=str(hyps), ref=str(refs)))
+    refs.write_text("a dog runs .\ntwo cats\n", encoding="utf-8-sig")  # as Windows editors save it
+    assert evaluate(EvaluateOptions(hypotheses=str(hyps), ref=str(refs))).report.bleu.score == pytest.approx(100)
 
 
 def test_evaluate_never_saves_over_an_input(tmp_path: Path) -> None:

@@ -56,6 +56,17 @@ def test_windows_line_endings_are_stripped(tmp_path: Path) -> None:
     assert read_lines(write_plain(tmp_path / "a.de", b"one\r\ntwo\r\n")) == ["one", "two"]
 
 
+def test_a_byte_order_mark_before_the_first_line_is_not_text(tmp_path: Path) -> None:
+    bom = b"\xef\xbb\xbf"
+    data = bom + ("\n".join(LINES) + "\n").encode("utf-8")
+    assert read_lines(write_plain(tmp_path / "a.de", data)) == LINES
+    assert read_lines(write_gz(tmp_path / "a.de.gz", data)) == LINES
+    assert read_lines(write_plain(tmp_path / "empty.de", bom)) == []  # as an empty file
+    assert read_lines(write_plain(tmp_path / "blank.de", bom + b"\n")) == [""]
+    later = b"one\n" + bom + b"two\n"  # U+FEFF after the start is a character of the text (a zero-width space)
+    assert read_lines(write_plain(tmp_path / "later.de", later)) == ["one", "\ufefftwo"]
+
+
 def test_find_file_falls_back_to_gz(tmp_path: Path) -> None:
     write_gz(tmp_path / "train.de.gz", b"x\n")
     assert find_file(tmp_path, "train", "de") == tmp_path / "train.de.gz"

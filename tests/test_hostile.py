@@ -364,6 +364,15 @@ def test_a_jsonl_number_too_long_for_python_is_one_line_after_the_lines_before_i
     assert outcome[1].count("\n") == 1  # the line before it was translated
 
 
+@pytest.mark.usefixtures("one_thread")  # as the command's one thread, for the translations compared
+def test_a_jsonl_input_saved_with_a_byte_order_mark_translates(trained_run: Path) -> None:
+    checkpoint = str(trained_run / "checkpoint_best.pt")
+    lines = b'\xef\xbb\xbf{"text": "red cat"}\n{"text": "sun tree"}\n'
+    code, out, err = run(["translate", "-c", checkpoint, "--input-format", "jsonl"], stdin=lines)
+    assert code == 0, err[-2000:]
+    assert out.splitlines() == Translator.from_checkpoint(checkpoint).translate(["red cat", "sun tree"])
+
+
 def test_corrupt_gzip_is_refused_naming_the_file(trained_run: Path, corpus: Path, tmp_path: Path) -> None:
     data = tmp_path / "data"
     shutil.copytree(corpus, data)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import itertools
 import json
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 
 MAX_LINE_BYTES = 2**20  # a sentence takes a few hundred bytes; a longer line is not text for translation
 TOO_LONG_LINE = f"line longer than {MAX_LINE_BYTES // 2**20} MiB"
+BOM = codecs.BOM_UTF8.decode("utf-8")  # U+FEFF, the byte order mark some editors put before a UTF-8 file's text
 
 
 @dataclass(frozen=True)
@@ -92,12 +94,15 @@ def decode_lines(stream: LineSource, name: str, skip_long: bool = False) -> Iter
     A line is read MAX_LINE_BYTES at most, so it never fills memory: a longer one is refused naming
     FILE:LINE, or with `skip_long` read past in blocks and yielded as a LongLine, so that one bad line
     of a large corpus costs that line only. A long line holding NUL bytes is binary data (or /dev/zero,
-    which never ends) and always refused. A corrupt gzip stream fails naming the file. Each line is a
-    safe point for a Ctrl-C, and one while waiting for a line (a terminal, a pipe) stops the command at once.
+    which never ends) and always refused. A corrupt gzip stream fails naming the file. A UTF-8 byte order
+    mark before the first line (Windows editors write one) is not text and is dropped, as Python's
+    `utf-8-sig` drops it: kept, it would be part of the first sentence, a reference's first word would match
+    no hypothesis and a JSON line would not parse. Each line is a safe point for a Ctrl-C, and one while
+    waiting for a line (a terminal, a pipe) stops the command at once.
     """
     for number in itertools.count(1):
         raw = _read_line(stream, name)
-        if not raw:
+        if not raw or (number == 1 and raw == codecs.BOM_UTF8):  # the mark alone is an empty file
             return
         if len(raw) > MAX_LINE_BYTES:
             where = f"{name}:{number}"
@@ -110,7 +115,8 @@ def decode_lines(stream: LineSource, name: str, skip_long: bool = False) -> Iter
             yield LongLine(where)
             continue
         try:
-            yield raw.decode("utf-8").rstrip("\r\n")
+            line = raw.decode("utf-8").rstrip("\r\n")
+            yield line[1:] if number == 1 and line.startswith(BOM) else line
         except UnicodeDecodeError:
             raise DataError(f"{name}:{number}: invalid UTF-8") from None
 
