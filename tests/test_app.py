@@ -155,4 +155,12 @@ def test_average_refuses_before_reading_anything(tmp_path: Path) -> None:
         average(tmp_path / "avg.pt")
     with pytest.raises(UserError, match="also an input"):
         average(checkpoint, [checkpoint])
+    with pytest.raises(UserError, match="averaged twice"):
+        average(tmp_path / "avg.pt", [checkpoint, tmp_path / "." / "a.pt"])
+    for name in ("checkpoint_last.pt", "checkpoint_best.pt", "checkpoint_step300.pt"):
+        own = tmp_path / name
+        own.write_bytes(b"a run's own")
+        with pytest.raises(UserError, match="a training run's own checkpoint"):
+            average(own, [checkpoint])
+        assert own.read_bytes() == b"a run's own"
     assert checkpoint.read_bytes() == b"not read"

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from seq2seq import interrupt
-from seq2seq.app.files import refuse_overwriting
+from seq2seq.app.files import refuse_overwriting, same_file
 from seq2seq.config import MAX_THREADS, ExperimentConfig
 from seq2seq.errors import UsageError, UserError
 
@@ -82,6 +82,31 @@ def average(
         paths += found
     if not paths:
         raise UserError("nothing to average: give checkpoints, or --run-dir with checkpoint_step*.pt files")
+    refuse_twice(paths)
     refuse_overwriting(Path(output), "--output", *paths)
+    refuse_replacing_a_run_checkpoint(Path(output))
     average_checkpoints(paths, output)
     return paths
+
+
+def refuse_twice(paths: Sequence[Path]) -> None:
+    """Each checkpoint counts once in an average: one named twice (or under two names, or both named and found
+    by --run-dir) would weigh double without a word."""
+    for i, path in enumerate(paths):
+        for earlier in paths[:i]:
+            if same_file(path, earlier):
+                raise UserError(f"{path} is averaged twice (also given as {earlier}); name each checkpoint once")
+
+
+def refuse_replacing_a_run_checkpoint(output: Path) -> None:
+    """An average holds weights only, no training state: written over a run's checkpoint_last.pt it would leave
+    the run nothing to resume from, and over its checkpoint_best.pt or a step checkpoint it would destroy weights
+    only that run can give. A new file under one of those names is the user's to make."""
+    from seq2seq.runs.checkpoint import BEST, LAST
+    from seq2seq.runs.run_dir import step_number
+
+    if output.exists() and (output.name in (LAST, BEST) or step_number(output) is not None):
+        raise UserError(
+            f"--output {output} is a training run's own checkpoint, which the average would replace "
+            "(and a run cannot resume from an average): choose another file"
+        )
