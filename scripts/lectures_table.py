@@ -68,7 +68,7 @@ def read_run(run_dir: Path) -> Run:
         name=run_dir.name,
         params=starts[-1]["parameters"] / 1e6,
         updates=finished[-1]["step"],
-        epochs=finished[-1]["epoch"],
+        epochs=finished[-1]["epoch"] - 1,  # the epoch it was in: completed ones are before it
         tokens_per_s=statistics.median(rates) if rates else float("nan"),
         minutes=max((r["minutes"] for r in records if r["event"] == "valid" and "minutes" in r), default=float("nan")),
         best_valid_bleu=max(valid, default=float("nan")),

@@ -531,6 +531,15 @@ def test_tensorboard_scalars_examples_and_log_file(small: Path, tmp_path: Path) 
 
 
 @pytest.mark.trains
+def test_a_run_stopped_by_its_epoch_limit_says_how_many_epochs_it_trained(small: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    train(config(small, run, "train.max_epochs=2"))
+    assert "after 2 epochs (max epochs)" in (run / "train.log").read_text()
+    finish = [r for r in read_metrics(run / "metrics.jsonl") if r["event"] == "finish"]
+    assert finish[-1]["epoch"] == 3 and progress(run).epochs_done == 2  # a record's epoch: the one in progress
+
+
+@pytest.mark.trains
 def test_metrics_jsonl_holds_every_log_event_appended_across_a_resume(small: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     settings = ("validation.bleu=true", "validation.every=3", "decode.max_len=12")

@@ -76,6 +76,11 @@ class Progress:
     validated_step: int = -1  # step of the last validation
     elapsed: float = 0.0  # training seconds of the processes before this one
 
+    @property
+    def epochs_done(self) -> int:
+        """The epochs trained to their end: all before the one in progress."""
+        return self.epoch - 1
+
     @classmethod
     def from_dict(cls, raw: Any, source: str) -> Progress:
         _expect(raw, dict, f"{source}: train_state.progress")

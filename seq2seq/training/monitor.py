@@ -141,7 +141,9 @@ class MetricsFile:
     """RUN/metrics.jsonl: one JSON object a line per log event, for programs to read instead of the log's words.
 
     Events: "start" (parameters), "train" (loss, nll, ppl, lr, grad_norm, tokens_per_s), "valid" (loss, nll,
-    ppl, bleu when decoded, minutes of training) and "finish" (reason), each with its step and epoch.
+    ppl, bleu when decoded, minutes of training) and "finish" (reason), each with its step and epoch: the
+    epoch in progress, 1-based, which after an epoch's last update is already the next one (the validation
+    at the end of epoch 1 says 2; a run stopped by `train.max_epochs=10` finishes in epoch 11, with 10 done).
     Appended across resumes: a resumed run logs the steps after its checkpoint again, so `read_metrics`
     keeps the last record of each event and step. `path` None (ranks other than 0) writes nothing.
     """

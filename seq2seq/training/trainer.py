@@ -137,7 +137,9 @@ class Trainer:
         if p.validated_step != p.step:
             self._validate_and_save()
         self.sinks.write("finish", p.step, p.epoch, reason=reason)
-        log.info("training finished at step %d, epoch %d (%s)", p.step, p.epoch, reason.replace("_", " "))
+        partial = f" and {p.batch_in_epoch} batches of epoch {p.epoch}" if p.batch_in_epoch else ""
+        done = f"{p.epochs_done} epoch{'' if p.epochs_done == 1 else 's'}{partial}"
+        log.info("training finished at step %d after %s (%s)", p.step, done, reason.replace("_", " "))
 
     def should_stop(self) -> str:
         """Why training must stop now ('' if it need not); every rank gets the same answer."""
