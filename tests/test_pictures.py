@@ -149,6 +149,7 @@ def test_what_cannot_be_drawn_is_one_line_before_any_output(
         ([none], [], 1, "this model has no attention (model.rnn.attention: none)"),
         ([checkpoint, deeper], ["--attention-layer", "all"], 1, "the ensemble's members show different numbers"),
         ([checkpoint], ["--attention-layer", "5"], 1, "attention layer 5 does not exist: the model has 2"),
+        ([checkpoint], ["--attention-dir", str(tmp_path / "in.txt")], 2, "in.txt is a file; give a directory"),
     ]
     for checkpoints, options, code, message in cases:
         assert translate(checkpoints, tmp_path, "--attention-dir", str(tmp_path / "att"), *options) == code

@@ -115,6 +115,8 @@ def check_options(options: TranslateOptions) -> LayerChoice:
         from seq2seq.decoding.pictures import require_matplotlib
 
         require_matplotlib()
+        if Path(options.attention_dir).exists() and not Path(options.attention_dir).is_dir():
+            raise UsageError(f"--attention-dir {options.attention_dir} is a file; give a directory for the pictures")
     return parse_layer(options.attention_layer)
 
 
