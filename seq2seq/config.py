@@ -746,7 +746,12 @@ class DecodeConfig(Section):
     max_len_b: int = setting(10, "the b of `decode.max_len_a`", min=0, limit=MAX_POSITIONS)
     max_len: int = setting(256, "the cap on a * source length + b", min=1, limit=MAX_POSITIONS)
     min_len: int = setting(1, "tokens required before EOS", min=0)
-    nbest: int = setting(1, "hypotheses returned", min=1, limit=MAX_BEAM)
+    nbest: int = setting(
+        1,
+        "hypotheses returned per sentence by beam search; greedy search and sampling return one",
+        min=1,
+        limit=MAX_BEAM,
+    )
     no_repeat_ngram: int = setting(
         0, "n-gram blocking: no n-gram of this size twice (0: off)", min=0, limit=MAX_POSITIONS
     )
