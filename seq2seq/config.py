@@ -1211,7 +1211,9 @@ def _parse_override(item: str) -> tuple[str, Any]:
 
 
 def _set(raw: dict[str, Any], key: str, value: Any, source: str) -> None:
-    """Set the dotted `key` of a nested config dict, making the sections it needs."""
+    """Set the dotted `key` of a nested config dict, making the sections it needs. A mapping given for a section
+    sets the keys it names and keeps the others (`data={dir: x, max_len: 64}` is `data.dir=x data.max_len=64`):
+    replacing the section would silently put the config file's other settings of it back to their defaults."""
     parts = key.split(".")
     node = raw
     for part in parts[:-1]:
@@ -1221,6 +1223,10 @@ def _set(raw: dict[str, Any], key: str, value: Any, source: str) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"{source}: {key}: {part!r} is not a section")
         node = child
+    if isinstance(value, dict) and isinstance(node.get(parts[-1]), dict):
+        for name, inner in value.items():
+            _set(node[parts[-1]], str(name), inner, source)
+        return
     node[parts[-1]] = value
 
 

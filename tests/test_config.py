@@ -224,6 +224,14 @@ def test_overrides_convert_types_and_beat_the_file(tmp_path: Path) -> None:
     assert cfg.train.max_epochs == 3  # untouched file values stay
 
 
+def test_a_section_given_as_a_mapping_sets_its_keys_and_keeps_the_files_others(tmp_path: Path) -> None:
+    path = write(tmp_path, "data:\n  vocab_size: 64\n  max_len: 100\n")
+    cfg = load_config(path, ["data={dir: /tmp/x, max_len: 64}", "model={transformer: {d_ff: 96}}"])
+    assert (cfg.data.dir, cfg.data.max_len, cfg.data.vocab_size) == ("/tmp/x", 64, 64)
+    assert cfg.model.transformer is not None and cfg.model.transformer.d_ff == 96
+    assert "data.vocab_sise" in config_error(path, "data={vocab_sise: 8}")  # each key still checked by name
+
+
 def test_overrides_into_a_new_section_and_with_equals_in_value(tmp_path: Path) -> None:
     cfg = load_config(None, ["data.dir=/tmp/a=b", "decode.strategy=greedy"])
     assert cfg.data.dir == "/tmp/a=b" and cfg.decode.strategy == "greedy"
