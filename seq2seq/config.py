@@ -785,6 +785,11 @@ class DecodeConfig(Section):
         )
         self.require(self.min_len <= self.max_len, "min_len", f"must not exceed {self.key('max_len')}")
         self.require(
+            self.max_input_len != 1,
+            "max_input_len",
+            "must be 0 (the model's limit) or at least 2: it counts the EOS, so 1 would leave every input empty",
+        )
+        self.require(
             self.strategy != "beam" or self.nbest <= self.beam_size,
             "nbest",
             f"({self.nbest}) must not exceed {self.key('beam_size')} ({self.beam_size})",

@@ -186,6 +186,7 @@ def test_d_model_not_divisible_by_heads(tmp_path: Path) -> None:
         ),
         (["model.arch=rnn", "model.rnn.cel=gru"], "did you mean 'model.rnn.cell'"),
         (["model.arch=lstm"], "model.arch must be one of transformer, rnn"),
+        (["decode.max_input_len=1"], "decode.max_input_len must be 0 (the model's limit) or at least 2"),
     ],
 )
 def test_inconsistent_or_out_of_range_values(overrides: list[str], needle: str) -> None:
