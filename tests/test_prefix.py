@@ -104,6 +104,17 @@ def test_bad_prefixes_are_refused(translator: Translator) -> None:
         translator.translate_full(["red cat", "sun"], prefixes=["", too_long])
 
 
+def test_a_prefix_the_vocabulary_cannot_spell_is_warned_about(
+    translator: Translator, caplog: pytest.LogCaptureFixture
+) -> None:
+    [spelled, unspellable] = translator.translate_full(["red cat", "sun moon"], prefixes=["sun", "moon ξζ"])
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [
+        "the prefix of line 2 has characters the target vocabulary lacks: the translation starts with the rest of it"
+    ]
+    assert spelled.text.startswith("sun") and unspellable.text.startswith("moon")
+
+
 # The command line.
 
 

@@ -32,7 +32,7 @@ from seq2seq.model.session import Decodable
 from seq2seq.runs.checkpoint import load_checkpoint
 from seq2seq.text.corpus import make_batches, pad
 from seq2seq.text.tokenizer import Tokenizer, tag_line
-from seq2seq.text.vocab import EOS, PAD
+from seq2seq.text.vocab import EOS, PAD, UNK
 
 log = logging.getLogger(__name__)
 
@@ -190,12 +190,19 @@ class TextTranslator:
         return contextlib.nullcontext()
 
     def _encode_prefixes(self, prefixes: Sequence[str], first_line: int) -> list[list[int]]:
-        """Target subword ids of each prefix (no EOS); one that leaves no room for EOS is refused."""
+        """Target subword ids of each prefix (no EOS); one that leaves no room for EOS is refused, and one with
+        text the target vocabulary cannot spell (`<unk>`, which no translation shows) is warned about."""
         limit = self.max_positions - 1
         encoded = self.tokenizer.encode_tgt([prefix.strip() for prefix in prefixes])
         for number, seq in enumerate(encoded, start=first_line):
             if len(seq) > limit:
                 raise DataError(f"the prefix of line {number} has {len(seq)} subwords; the model allows {limit}")
+            if UNK in seq:
+                log.warning(
+                    "the prefix of line %d has characters the target vocabulary lacks: the translation starts "
+                    "with the rest of it",
+                    number,
+                )
         return encoded
 
     def _encode(self, lines: Sequence[str], first_line: int = 1) -> list[list[int]]:
