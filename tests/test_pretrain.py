@@ -148,7 +148,7 @@ def test_pretrain_writes_masked_lm_checkpoints_and_validates_masked_tokens(pretr
     [
         ["translate", "-c", "{ckpt}", "--input", "{input}"],
         ["evaluate", "-c", "{ckpt}"],
-        ["average", "{ckpt}", "{ckpt}", "-o", "{out}"],
+        ["average", "{ckpt}", "{last}", "-o", "{out}"],
         ["train", "--config", str(TINY), "train.init_from={ckpt}", "train.run_dir={out}"],
     ],
 )
@@ -157,7 +157,8 @@ def test_a_masked_lm_checkpoint_is_refused_as_a_translation_model_in_one_line(
 ) -> None:
     (tmp_path / "in.txt").write_text("red cat\n", encoding="utf-8")
     path = pretrained / ckpt.BEST
-    args = [a.format(ckpt=path, input=tmp_path / "in.txt", out=tmp_path / "out") for a in command]
+    last, out = pretrained / ckpt.LAST, tmp_path / "out"
+    args = [a.format(ckpt=path, last=last, input=tmp_path / "in.txt", out=out) for a in command]
     assert main(args) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1
