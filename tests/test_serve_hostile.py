@@ -72,6 +72,8 @@ def test_a_bad_prefix_fails_only_its_own_request(server: Server) -> None:
         ({"nbest": 2**62, "strategy": "sample"}, "decode.nbest must be at most 1024"),
         ({"seed": 2**64}, "decode.seed"),
         ({"beam_size": 10**4000}, "decode.beam_size is out of range"),
+        ({"strategy": "sample", "temperature": "0.5"}, "option 'temperature' must be a number; got '0.5'"),
+        ({"length_penalty": "1_0"}, "option 'length_penalty' must be a number; got '1_0'"),
     ],
 )
 def test_bad_values_get_a_4xx_without_a_traceback(server: Server, options: dict[str, Any], message: str) -> None:
@@ -108,6 +110,25 @@ def test_the_same_bounds_hold_for_translate(
     assert main(["translate", "-c", checkpoint, "--threads", "1", "decode.strategy=sample", override]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (b'{"text": ["red cat"], "model": [1]}', 'unknown "model" [1]'),
+        (b'{"text": ["red cat"], "model": {"a": 1}}', "unknown \"model\" {'a': 1}"),
+        (b'{"text": ["red \\ud800 cat"]}', "text[0] is not valid Unicode: a lone surrogate at character 4"),
+        (b'{"text": ["red cat"], "prefix": ["a\\udfff"]}', "prefix[0] is not valid Unicode"),
+        (b'{"text": ["red cat"], "tgt_lang": "\\ud800"}', '"tgt_lang" is not valid Unicode'),
+    ],
+)
+def test_fields_json_can_spell_but_no_model_can_take_get_a_400(server: Server, body: bytes, message: str) -> None:
+    """A model name that is a list or an object, and a lone UTF-16 surrogate, which JSON's escapes allow and
+    the tokenizer and UTF-8 refuse: each was a 500."""
+    status, answer = server.post(body)
+    assert status == 400 and message in answer["error"], answer
+    assert server.post({"text": ["red cat"]})[0] == 200
+    assert not any("Traceback" in line or "internal error" in line for line in server.lines)
 
 
 def test_a_5000_digit_integer_is_a_400(server: Server) -> None:

@@ -16,6 +16,7 @@ import functools
 import json
 import logging
 import math
+import typing
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -56,6 +57,7 @@ DECODE_OPTIONS = (
     "seed",
 )
 """The decode settings a request may change. The rest (batch sizes, input truncation, max_len) are the server's."""
+FLOAT_OPTIONS = frozenset(k for k in DECODE_OPTIONS if typing.get_type_hints(DecodeConfig)[k] is float)
 ATTENTION_OPTIONS = ("attention", "attention_layer", "attention_heads")
 OPTIONS = (*DECODE_OPTIONS, "scores", *ATTENTION_OPTIONS)
 FIELDS = ("text", "prefix", "tgt_lang", "model", "options")
@@ -219,6 +221,7 @@ class _Service:
         lang = raw.get("tgt_lang", "")
         if not isinstance(lang, str) or len(lang) > 64:
             raise Rejected(400, '"tgt_lang" must be a language name, e.g. "en"')
+        _require_unicode(lang, '"tgt_lang"')
         model = self._model(raw.get("model"))
         options = raw.get("options", {})
         if not isinstance(options, dict):
@@ -230,7 +233,7 @@ class _Service:
         """The served model a request names; the first when it names none."""
         if name is None:
             return next(iter(self.batchers))
-        if name not in self.batchers:
+        if not isinstance(name, str) or name not in self.batchers:
             raise Rejected(400, f'unknown "model" {name!r} (models: {", ".join(self.batchers)})')
         return str(name)
 
@@ -245,6 +248,7 @@ class _Service:
                 raise Rejected(413, f"{name}[{i}] has {len(line)} characters; the limit is {o.max_chars}")
             if "\n" in line or "\r" in line:
                 raise Rejected(400, f"{name}[{i}] contains a line break; send one sentence per list item")
+            _require_unicode(line, f"{name}[{i}]")
         return text
 
     def _options(self, raw: dict[str, Any], engine: Engine) -> tuple[DecodeConfig, bool]:
@@ -258,6 +262,9 @@ class _Service:
         scores = raw.get("scores", False)
         if not isinstance(scores, bool):
             raise Rejected(400, f"option 'scores' must be true or false; got {scores!r}")
+        for key in FLOAT_OPTIONS & raw.keys():  # JSON has numbers: a string is not one, whatever float() makes of it
+            if not isinstance(raw[key], int | float) or isinstance(raw[key], bool):
+                raise Rejected(400, f"option {key!r} must be a number; got {raw[key]!r}")
         try:
             settings = engine.settings({k: v for k, v in raw.items() if k in DECODE_OPTIONS})
         except ConfigError as e:
@@ -267,6 +274,15 @@ class _Service:
                 400, f"option 'beam_size' is {settings.beam_size}; this server allows up to {self.options.max_beam}"
             )
         return settings, scores
+
+
+def _require_unicode(text: str, name: str) -> None:
+    """JSON's escapes can spell a lone UTF-16 surrogate (\\ud800), which is no character: the tokenizer and
+    the answer's UTF-8 would both fail on it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise Rejected(400, f"{name} is not valid Unicode: a lone surrogate at character {e.start}") from None
 
 
 async def _read_body(request: Request, limit: int, timeout: float) -> bytes:
@@ -373,7 +389,8 @@ def _guarded(handler: Handler) -> Handler:
             return await handler(request)
         except Rejected as e:
             close = {"connection": "close"} if e.status == 408 else None  # the rest of its body may still come
-            return JSONResponse({"error": str(e)}, status_code=e.status, headers=close)
+            message = str(e).encode("utf-8", "backslashreplace").decode("utf-8")  # a request's text quoted in it
+            return JSONResponse({"error": message}, status_code=e.status, headers=close)
         except ClientDisconnect:  # nobody is left to answer: one line, not an internal error
             log.info("client disconnected during %s %s", request.method, request.url.path)
             return Response(status_code=400)
