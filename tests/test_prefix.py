@@ -164,6 +164,8 @@ def test_misaligned_prefix_file_is_one_line_and_writes_nothing(
         ('{"text": "red", "prefix": 3}', 'in.jsonl:2: "prefix" must be a string'),
         ('{"text": "red", "id": 3}', "in.jsonl:2: unknown field 'id' (fields: text, prefix, tgt_lang)"),
         ('{"text": "red\\ncat"}', 'in.jsonl:2: "text" contains a line break'),
+        ('{"text": "red \\ud800 cat"}', 'in.jsonl:2: "text" holds invalid UTF-8 (a lone surrogate escape)'),
+        ('{"text": "red", "prefix": "\\udfff"}', 'in.jsonl:2: "prefix" holds invalid UTF-8'),
     ],
 )
 def test_bad_jsonl_input_is_one_line_after_the_lines_before_it(
