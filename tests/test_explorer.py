@@ -193,6 +193,20 @@ def test_attention_over_the_limit_gets_a_413_and_within_it_an_answer(translator:
     assert translate(translator, {"text": ["red cat dog"], "options": options}, max_attention=weights)[0] == 200
 
 
+def test_attention_known_to_be_over_the_limit_is_refused_before_it_is_computed(
+    translator: Translator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Target x source subwords of each hypothesis is the least an answer holds (one layer, heads averaged): a
+    request already over the limit by that count gets its 413 without the teacher-forced pass (64 long lines at
+    beam 16 once held the decoding thread 25 s before the 413)."""
+    [result] = translator.translate_full(["red cat dog"])
+    fewest = len(result.hypotheses[0].tokens) * len(result.source_tokens)
+    monkeypatch.setattr(Translator, "attention", lambda *args, **kwargs: pytest.fail("the attention was computed"))
+    body = {"text": ["red cat dog"], "options": {"attention": True}}
+    code, answer = translate(translator, body, max_attention=fewest - 1)
+    assert code == 413 and f"has at least {fewest} weights; this server sends up to {fewest - 1}" in answer["error"]
+
+
 def test_an_ensemble_whose_members_differ_shows_one_layer_with_the_heads_averaged(checkpoint: Path) -> None:
     two, three = untrained(checkpoint), untrained(checkpoint, decoder_layers=3)
     ensemble = Translator(Ensemble([two.model, three.model]), two.tokenizer, two.decode, "cpu", two.data)

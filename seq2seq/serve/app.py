@@ -153,22 +153,22 @@ class _Service:
         if note is not None:
             return JSONResponse({"translations": [_with(a, "attention", None) for a in answers], "note": note})
         ask = parsed.attention
+        self._check_size(_fewest_weights(results), at_least=True)  # before the pass that would make them
         try:
             maps = await batcher.call(functools.partial(engine.attention, results, ask.layer, ask.heads))
         except UserError as e:  # e.g. an ensemble whose members show different numbers of layers or heads
             raise Rejected(400, str(e)) from None
-        self._check_size(maps)
+        self._check_size(sum(m.weights.numel() for hypotheses in maps for m in hypotheses if m is not None))
         return JSONResponse({"translations": [_with(a, "attention", _maps(m)) for a, m in zip(answers, maps)]})
 
-    def _check_size(self, maps: list[list[AttentionMap | None]]) -> None:
+    def _check_size(self, size: int, at_least: bool = False) -> None:
         """413 for an answer with more attention weights than the server sends, saying how to ask for fewer."""
-        size = sum(m.weights.numel() for hypotheses in maps for m in hypotheses if m is not None)
         if size > self.options.max_attention:
             raise Rejected(
                 413,
-                f"the attention asked for has {size} weights; this server sends up to {self.options.max_attention}: "
-                'ask for one layer (attention_layer), averaged heads (attention_heads: "mean"), '
-                "fewer hypotheses or fewer lines",
+                f"the attention asked for has {'at least ' if at_least else ''}{size} weights; this server sends up "
+                f"to {self.options.max_attention}: ask for one layer (attention_layer), averaged heads "
+                '(attention_heads: "mean"), fewer hypotheses or fewer lines',
             )
 
     async def health(self, request: Request) -> Response:
@@ -274,6 +274,13 @@ class _Service:
                 400, f"option 'beam_size' is {settings.beam_size}; this server allows up to {self.options.max_beam}"
             )
         return settings, scores
+
+
+def _fewest_weights(results: list[Translation]) -> int:
+    """The attention weights of these translations' hypotheses with one layer and the heads averaged: target
+    subwords x source subwords, EOS included on both sides. More layers or heads only multiply it, so an answer
+    this count already puts over the limit is refused before the teacher-forced pass that would compute it."""
+    return sum(len(h.tokens) * len(r.source_tokens) for r in results if r.source_tokens for h in r.hypotheses)
 
 
 def _require_unicode(text: str, name: str) -> None:
