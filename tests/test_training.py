@@ -318,6 +318,21 @@ def test_resume_refuses_a_different_model(small: Path, tmp_path: Path) -> None:
     assert not [h for h in logging.getLogger("seq2seq").handlers if isinstance(h, logging.FileHandler)]
 
 
+@pytest.mark.trains
+def test_resume_in_the_middle_of_an_epoch_refuses_other_batches_and_takes_other_dropout(
+    small: Path, tmp_path: Path
+) -> None:
+    train(config(small, tmp_path / "run", "train.max_steps=3"))  # 3 of the epoch's 14 batches
+    for change, old in (("train.max_tokens=512", "256"), ("train.seed=2", "1")):
+        key = change.split("=")[0]
+        with pytest.raises(TrainingError, match=f"in the middle of epoch 1 with {key} changed from {old}") as refused:
+            assemble(config(small, tmp_path / "run", "train.max_steps=6", change))
+        assert str(refused.value).endswith(f"resume with {key}={old}")
+    state = train(config(small, tmp_path / "run", "train.max_steps=6", "model.dropout=0.3"))
+    assert state.step == 6
+    assert "config changed since the checkpoint: model.dropout: " in (tmp_path / "run" / "train.log").read_text()
+
+
 # Signals and kill -9, on a real `seq2seq train` process.
 
 

@@ -41,7 +41,8 @@ log = logging.getLogger("seq2seq.train")
 # What a resume may not change: the stored tokenizer, the encoded data and the weights depend on them.
 # data.test is only read by `evaluate`; data.prepared_dir is only where the prepared data is kept.
 FIXED_ON_RESUME = ("data.", "model.")
-FREE_ON_RESUME = ("data.test", "data.prepared_dir")
+FREE_ON_RESUME = ("data.test", "data.prepared_dir", *finetune.FREE_MODEL_KEYS)  # nothing stored depends on them
+BATCHING = ("train.max_tokens", "train.seed")  # what an epoch's batches are made from, besides the data
 
 
 def setup_device(t: TrainConfig, width: int) -> tuple[torch.device, str]:
@@ -220,6 +221,15 @@ def check_resumable(resume: Checkpoint, cfg: ExperimentConfig, run: RunDirectory
             f"cannot resume {run.path}: the config does not match its checkpoint: {key} is {new}, but the run "
             f"was started with {old} and its tokenizer, data and weights depend on it{others}; for a new run with "
             "these settings, choose another train.run_dir"
+        )
+    p = resume.training.progress
+    moved = [(key, old, new) for key, old, new in changes if key in BATCHING]
+    if p.batch_in_epoch and moved:
+        key, old, new = moved[0]
+        raise TrainingError(
+            f"cannot resume {run.path} in the middle of epoch {p.epoch} with {key} changed from {old} to {new}: the "
+            f"checkpoint is at batch {p.batch_in_epoch} of the epoch's batches as {old} made them, and with {new} the "
+            f"rest of the epoch would be other batches (pairs trained twice or not at all); resume with {key}={old}"
         )
     with on_meta():  # the model and optimizer being resumed, without memory: refuse before any log
         model = ckpt.build_kind(resume.kind, cfg, resume.tokenizer)
