@@ -306,6 +306,11 @@ def test_our_post_norm_model_exports_and_transformers_translates_it_alike(
             min_new_tokens=1, do_sample=False,
         )  # fmt: skip
     assert tokenizer.batch_decode(out, skip_special_tokens=True) == ours
+    capsys.readouterr()  # the export scores the run's own test split, as the checkpoint does
+    assert main(["evaluate", "-c", str(exported), "--threads", "1", "decode.strategy=greedy"]) == 0
+    exported_bleu = capsys.readouterr().out
+    assert main(["evaluate", "-c", str(run / "checkpoint_best.pt"), "--threads", "1", "decode.strategy=greedy"]) == 0
+    assert exported_bleu.startswith("BLEU = ") and exported_bleu == capsys.readouterr().out  # scored alike
     # exporting again replaces the earlier export; a directory of someone else's is refused
     assert main(["export", str(run / "checkpoint_best.pt"), "--format", "hf", "-o", str(exported)]) == 0
     (tmp_path / "mine").mkdir()

@@ -10,6 +10,7 @@ with one is a `UserError` naming the file: one line, exit 1.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from seq2seq.config import save_config
+from seq2seq.config import DataConfig, replace_checked, save_config, to_dict
 from seq2seq.errors import CheckpointError, UserError
 from seq2seq.hf import marian, tokenizer
 from seq2seq.runs import checkpoint as ckpt
@@ -121,6 +122,16 @@ def _safetensors(path: Path) -> dict[str, Tensor]:
         raise UserError(f"{path}: not a readable safetensors file ({str(e).splitlines()[0][:120]})") from None
 
 
+def _exported_data(directory: Path, data: DataConfig) -> DataConfig:
+    """The data settings of the run a directory was exported from (`seq2seq export --format hf` keeps them in its
+    marker file, as the CTranslate2 export does in seq2seq.yaml), so that `evaluate -c DIR` reads that run's test
+    split; `data` for any other Marian directory, or for one exported before the settings were kept."""
+    saved = _json(directory / MARKER, required=False).get("data")
+    if not isinstance(saved, dict):
+        return data
+    return replace_checked(data, saved, str(directory / MARKER), "data.")  # checked as a config file's
+
+
 def _language(value: Any, default: str) -> str:
     return value if isinstance(value, str) and re.fullmatch(r"[A-Za-z][\w-]{0,31}", value) else default
 
@@ -158,6 +169,7 @@ def import_marian(directory: str | Path) -> ckpt.Checkpoint:
     config = settings.experiment(
         _language(tok_config.get("source_lang"), "src"), _language(tok_config.get("target_lang"), "tgt"), len(src_order)
     )
+    config = dataclasses.replace(config, data=_exported_data(d, config.data))
     weights = marian.import_weights(read_weights(d), settings, src_order, tgt_order, str(d))
     stored = ckpt.Checkpoint(config=config, tokenizer=tok, model=weights, run_id="")
     try:
@@ -255,4 +267,5 @@ def _write(
             "pad_token": "<pad>",
         },
     )
-    dump(MARKER, {"format": "seq2seq-hf-export", "run_id": stored.run_id, "step": stored.step})
+    marker = {"format": "seq2seq-hf-export", "run_id": stored.run_id, "step": stored.step}
+    dump(MARKER, {**marker, "data": to_dict(cfg.data)})  # the run's data: `evaluate -c DIR` scores its test split
