@@ -49,6 +49,16 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return ckpt.read(run_dir / ckpt.LAST).model
 
 
+def test_a_run_dir_that_is_a_file_is_one_line_and_the_file_is_kept(
+    small: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    taken = tmp_path / "notes.txt"
+    taken.write_text("keep", encoding="utf-8")
+    assert cli_train(small, taken) == 1
+    assert f"train.run_dir {taken} is a file, not a directory" in one_line(capsys)
+    assert taken.read_text(encoding="utf-8") == "keep"
+
+
 def test_a_second_train_on_a_busy_directory_stops_at_once_and_touches_nothing(
     small: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -126,6 +126,8 @@ class RunDirectory(RunLayout):
 
     def acquire(self) -> None:
         """Create the directory and take its lock for this process; one line naming the holder if taken."""
+        if self.path.exists() and not self.path.is_dir():
+            raise RunDirError(f"train.run_dir {self.path} is a file, not a directory; choose another train.run_dir")
         self.path.mkdir(parents=True, exist_ok=True)
         lock = open(self.path / ".lock", "a+", encoding="utf-8")  # noqa: SIM115 (held until release())
         try:
