@@ -38,6 +38,7 @@ from seq2seq.errors import ConfigError, UserError
 from seq2seq.serve.batcher import Batcher, Busy
 from seq2seq.serve.engine import Engine
 from seq2seq.serve.options import ServeOptions
+from seq2seq.text.corpus import lone_surrogate
 
 log = logging.getLogger("seq2seq.serve")
 
@@ -235,7 +236,7 @@ class _Service:
             return next(iter(self.batchers))
         if not isinstance(name, str) or name not in self.batchers:
             raise Rejected(400, f'unknown "model" {name!r} (models: {", ".join(self.batchers)})')
-        return str(name)
+        return name
 
     def _lines(self, text: Any, name: str = "text") -> list[str]:
         o = self.options
@@ -284,12 +285,10 @@ def _fewest_weights(results: list[Translation]) -> int:
 
 
 def _require_unicode(text: str, name: str) -> None:
-    """JSON's escapes can spell a lone UTF-16 surrogate (\\ud800), which is no character: the tokenizer and
-    the answer's UTF-8 would both fail on it."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise Rejected(400, f"{name} is not valid Unicode: a lone surrogate at character {e.start}") from None
+    """A 400 for text the tokenizer and the answer's UTF-8 would both fail on (`lone_surrogate`)."""
+    at = lone_surrogate(text)
+    if at is not None:
+        raise Rejected(400, f"{name} is not valid Unicode: a lone surrogate at character {at}")
 
 
 async def _read_body(request: Request, limit: int, timeout: float) -> bytes:

@@ -229,11 +229,19 @@ def _text_field(record: dict[str, object], key: str, where: str) -> str:
         raise DataError(f"{where}: no {key!r} field (data.src_field / data.tgt_field name the fields)")
     if not isinstance(value, str):
         raise DataError(f"{where}: field {key!r} is {type(value).__name__}, not a string")
-    try:
-        value.encode("utf-8")  # JSON's \ud800 escapes decode to text that cannot be written back
-    except UnicodeEncodeError:
-        raise DataError(f"{where}: field {key!r} holds invalid UTF-8 (a lone surrogate escape)") from None
+    if lone_surrogate(value) is not None:
+        raise DataError(f"{where}: field {key!r} holds invalid UTF-8 (a lone surrogate escape)")
     return value
+
+
+def lone_surrogate(text: str) -> int | None:
+    """Where `text` holds a lone UTF-16 surrogate, None if nowhere. JSON's escapes can spell one (\\ud800), which
+    is no character: no tokenizer takes it, and it cannot be written as UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
 
 
 def read_split(d: DataConfig, split: str) -> tuple[list[str], list[str]]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from seq2seq.errors import DataError
+from seq2seq.text.corpus import lone_surrogate
 
 FIELDS = ("text", "prefix", "tgt_lang")
 
@@ -58,10 +59,8 @@ def parse_record(line: str, where: str) -> Record:
             raise DataError(f'{where}: "{field}" must be a string')
         if "\n" in value or "\r" in value:
             raise DataError(f'{where}: "{field}" contains a line break; one sentence per line')
-        try:
-            value.encode("utf-8")  # JSON's \ud800 escapes decode to text no tokenizer takes
-        except UnicodeEncodeError:
-            raise DataError(f'{where}: "{field}" holds invalid UTF-8 (a lone surrogate escape)') from None
+        if lone_surrogate(value) is not None:
+            raise DataError(f'{where}: "{field}" holds invalid UTF-8 (a lone surrogate escape)')
     assert isinstance(text, str) and isinstance(prefix, str) and isinstance(lang, str)
     return Record(text, prefix, lang.strip())
 
